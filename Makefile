@@ -1,0 +1,47 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv from scratch when needed.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-c test-python bench bench-quick proto clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is a CPU wheel available offline; pinning it first keeps pip from pulling a CUDA build.
+$(STAMP): pyproject.toml setup.py csrc/build_native.py $(wildcard csrc/*.c csrc/*.h)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[dev,torch]"
+	$(PY) -c "import shmtransport; assert shmtransport.BACKEND == 'c', shmtransport.BACKEND"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m shmtransport.demo $(ARGS)
+
+test: setup test-c test-python
+
+test-c:
+	SHMTRANSPORT_BACKEND=c $(PY) -m pytest $(PYTEST_ARGS)
+
+test-python:
+	SHMTRANSPORT_BACKEND=python $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	for suite in $$($(PY) -c "import sys; sys.path.insert(0, 'benchmarks'); import run; print(*run.available_suites())"); do \
+		$(PY) benchmarks/run.py $$suite --json benchmarks/results/$$suite.json || exit 1; done
+
+bench-quick: setup
+	for suite in $$($(PY) -c "import sys; sys.path.insert(0, 'benchmarks'); import run; print(*run.available_suites())"); do \
+		$(PY) benchmarks/run.py $$suite --quick || exit 1; done
+
+# Regenerate the committed gRPC/protobuf code (tests fail when it is out of date).
+proto: setup
+	$(PY) -m shmtransport.protogen
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info src/shmtransport/_shmt_c*.so src/shmtransport/_shmt_c.c

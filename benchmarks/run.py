@@ -1,0 +1,43 @@
+"""The one entry point for every performance claim (DESIGN.md §9).
+
+    python benchmarks/run.py SUITE [--quick] [--json PATH]
+
+Each suite is a module ``benchmarks/suites/<name>.py`` with ``run(quick: bool) -> Report``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from harness import print_report  # noqa: E402
+
+
+def available_suites() -> list[str]:
+    return sorted(p.stem for p in (HERE / "suites").glob("*.py") if not p.stem.startswith("_"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suite", choices=available_suites())
+    parser.add_argument("--quick", action="store_true", help="same measurements, fewer repetitions (<60 s)")
+    parser.add_argument("--json", type=pathlib.Path, help="write the report as JSON here")
+    args = parser.parse_args(argv)
+
+    suite = importlib.import_module(f"suites.{args.suite}")
+    report = suite.run(quick=args.quick)
+    print_report(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_json(), indent=2, sort_keys=False) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if all(row["correct"] for row in report.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

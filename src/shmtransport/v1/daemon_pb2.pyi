@@ -1,0 +1,147 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Handle(_message.Message):
+    __slots__ = ("name", "offset", "nbytes", "owner_id", "generation", "instance_id", "alloc_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    nbytes: int
+    owner_id: str
+    generation: int
+    instance_id: str
+    alloc_id: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., owner_id: _Optional[str] = ..., generation: _Optional[int] = ..., instance_id: _Optional[str] = ..., alloc_id: _Optional[int] = ...) -> None: ...
+
+class ArenaInfo(_message.Message):
+    __slots__ = ("instance_id", "segment_name", "nbytes", "shm_namespace")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    segment_name: str
+    nbytes: int
+    shm_namespace: str
+    def __init__(self, instance_id: _Optional[str] = ..., segment_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm_namespace: _Optional[str] = ...) -> None: ...
+
+class LoanRequest(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoanResponse(_message.Message):
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[Handle]
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("handles", "hold_ms")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[Handle]
+    hold_ms: int
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("handles", "ttl_ms")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[Handle]
+    ttl_ms: int
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("handles", "lease_ids")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[Handle]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClientStat(_message.Message):
+    __slots__ = ("session_id", "pid", "uid", "loaned_nbytes", "committed_nbytes", "leases")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    LOANED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pid: int
+    uid: int
+    loaned_nbytes: int
+    committed_nbytes: int
+    leases: int
+    def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., loaned_nbytes: _Optional[int] = ..., committed_nbytes: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+
+class StatResponse(_message.Message):
+    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total")
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    USED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_TTL_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_TTL_LEASES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_DEATH_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_DEATH_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    arena: ArenaInfo
+    used_nbytes: int
+    free_nbytes: int
+    largest_free_nbytes: int
+    free_extents: int
+    live_objects: int
+    live_leases: int
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStat]
+    allocations_total: int
+    allocations_per_s: float
+    reclaimed_ttl_nbytes: int
+    reclaimed_ttl_leases: int
+    reclaimed_death_nbytes: int
+    reclaimed_death_leases: int
+    allocation_failures: int
+    sessions_total: int
+    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ...) -> None: ...
