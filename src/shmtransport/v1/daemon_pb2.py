@@ -24,41 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshmtransport/v1/daemon.proto\x12\x0fshmtransport.v1\"\x83\x01\n\x06Handle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08owner_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x10 \x01(\x04\x12\x13\n\x0binstance_id\x18\x11 \x01(\t\x12\x10\n\x08\x61lloc_id\x18\x12 \x01(\x04\"]\n\tArenaInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x15\n\rshm_namespace\x18\x04 \x01(\t\"\x1d\n\x0bLoanRequest\x12\x0e\n\x06nbytes\x18\x01 \x03(\x04\"8\n\x0cLoanResponse\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\"J\n\rCommitRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x0f\n\x07hold_ms\x18\x02 \x01(\r\"\x10\n\x0e\x43ommitResponse\"J\n\x0e\x41\x63quireRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"$\n\x0f\x41\x63quireResponse\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"M\n\x0eReleaseRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"\r\n\x0bStatRequest\"{\n\nClientStat\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0b\n\x03uid\x18\x03 \x01(\r\x12\x15\n\rloaned_nbytes\x18\x04 \x01(\x04\x12\x18\n\x10\x63ommitted_nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06leases\x18\x06 \x01(\x04\"\xd6\x03\n\x0cStatResponse\x12)\n\x05\x61rena\x18\x01 \x01(\x0b\x32\x1a.shmtransport.v1.ArenaInfo\x12\x13\n\x0bused_nbytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x66ree_nbytes\x18\x03 \x01(\x04\x12\x1b\n\x13largest_free_nbytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x66ree_extents\x18\x05 \x01(\x04\x12\x14\n\x0clive_objects\x18\x06 \x01(\x04\x12\x13\n\x0blive_leases\x18\x07 \x01(\x04\x12,\n\x07\x63lients\x18\x08 \x03(\x0b\x32\x1b.shmtransport.v1.ClientStat\x12\x19\n\x11\x61llocations_total\x18\t \x01(\x04\x12\x19\n\x11\x61llocations_per_s\x18\n \x01(\x01\x12\x1c\n\x14reclaimed_ttl_nbytes\x18\x0b \x01(\x04\x12\x1c\n\x14reclaimed_ttl_leases\x18\x0c \x01(\x04\x12\x1e\n\x16reclaimed_death_nbytes\x18\r \x01(\x04\x12\x1e\n\x16reclaimed_death_leases\x18\x0e \x01(\x04\x12\x1b\n\x13\x61llocation_failures\x18\x0f \x01(\x04\x12\x16\n\x0esessions_total\x18\x10 \x01(\x04\x32\xbb\x03\n\x06\x44\x61\x65mon\x12@\n\x04Info\x12\x1c.shmtransport.v1.InfoRequest\x1a\x1a.shmtransport.v1.ArenaInfo\x12\x43\n\x04Loan\x12\x1c.shmtransport.v1.LoanRequest\x1a\x1d.shmtransport.v1.LoanResponse\x12I\n\x06\x43ommit\x12\x1e.shmtransport.v1.CommitRequest\x1a\x1f.shmtransport.v1.CommitResponse\x12L\n\x07\x41\x63quire\x12\x1f.shmtransport.v1.AcquireRequest\x1a .shmtransport.v1.AcquireResponse\x12L\n\x07Release\x12\x1f.shmtransport.v1.ReleaseRequest\x1a .shmtransport.v1.ReleaseResponse\x12\x43\n\x04Stat\x12\x1c.shmtransport.v1.StatRequest\x1a\x1d.shmtransport.v1.StatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshmtransport/v1/daemon.proto\x12\x0fshmtransport.v1\"q\n\x06Handle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08owner_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x10 \x01(\x04\x12\x13\n\x0binstance_id\x18\x11 \x01(\t\"b\n\x0cTensorHandle\x12$\n\x03shm\x18\x01 \x01(\x0b\x32\x17.shmtransport.v1.Handle\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\"]\n\tArenaInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x15\n\rshm_namespace\x18\x04 \x01(\t\"\x1d\n\x0bLoanRequest\x12\x0e\n\x06nbytes\x18\x01 \x03(\x04\"8\n\x0cLoanResponse\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\"J\n\rCommitRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x0f\n\x07hold_ms\x18\x02 \x01(\r\"\x10\n\x0e\x43ommitResponse\"J\n\x0e\x41\x63quireRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"$\n\x0f\x41\x63quireResponse\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"M\n\x0eReleaseRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"\r\n\x0bStatRequest\"{\n\nClientStat\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0b\n\x03uid\x18\x03 \x01(\r\x12\x15\n\rloaned_nbytes\x18\x04 \x01(\x04\x12\x18\n\x10\x63ommitted_nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06leases\x18\x06 \x01(\x04\"\xd6\x03\n\x0cStatResponse\x12)\n\x05\x61rena\x18\x01 \x01(\x0b\x32\x1a.shmtransport.v1.ArenaInfo\x12\x13\n\x0bused_nbytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x66ree_nbytes\x18\x03 \x01(\x04\x12\x1b\n\x13largest_free_nbytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x66ree_extents\x18\x05 \x01(\x04\x12\x14\n\x0clive_objects\x18\x06 \x01(\x04\x12\x13\n\x0blive_leases\x18\x07 \x01(\x04\x12,\n\x07\x63lients\x18\x08 \x03(\x0b\x32\x1b.shmtransport.v1.ClientStat\x12\x19\n\x11\x61llocations_total\x18\t \x01(\x04\x12\x19\n\x11\x61llocations_per_s\x18\n \x01(\x01\x12\x1c\n\x14reclaimed_ttl_nbytes\x18\x0b \x01(\x04\x12\x1c\n\x14reclaimed_ttl_leases\x18\x0c \x01(\x04\x12\x1e\n\x16reclaimed_death_nbytes\x18\r \x01(\x04\x12\x1e\n\x16reclaimed_death_leases\x18\x0e \x01(\x04\x12\x1b\n\x13\x61llocation_failures\x18\x0f \x01(\x04\x12\x16\n\x0esessions_total\x18\x10 \x01(\x04\x32\xbb\x03\n\x06\x44\x61\x65mon\x12@\n\x04Info\x12\x1c.shmtransport.v1.InfoRequest\x1a\x1a.shmtransport.v1.ArenaInfo\x12\x43\n\x04Loan\x12\x1c.shmtransport.v1.LoanRequest\x1a\x1d.shmtransport.v1.LoanResponse\x12I\n\x06\x43ommit\x12\x1e.shmtransport.v1.CommitRequest\x1a\x1f.shmtransport.v1.CommitResponse\x12L\n\x07\x41\x63quire\x12\x1f.shmtransport.v1.AcquireRequest\x1a .shmtransport.v1.AcquireResponse\x12L\n\x07Release\x12\x1f.shmtransport.v1.ReleaseRequest\x1a .shmtransport.v1.ReleaseResponse\x12\x43\n\x04Stat\x12\x1c.shmtransport.v1.StatRequest\x1a\x1d.shmtransport.v1.StatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shmtransport.v1.daemon_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDLE']._serialized_start=50
-  _globals['_HANDLE']._serialized_end=181
-  _globals['_ARENAINFO']._serialized_start=183
-  _globals['_ARENAINFO']._serialized_end=276
-  _globals['_LOANREQUEST']._serialized_start=278
-  _globals['_LOANREQUEST']._serialized_end=307
-  _globals['_LOANRESPONSE']._serialized_start=309
-  _globals['_LOANRESPONSE']._serialized_end=365
-  _globals['_COMMITREQUEST']._serialized_start=367
-  _globals['_COMMITREQUEST']._serialized_end=441
-  _globals['_COMMITRESPONSE']._serialized_start=443
-  _globals['_COMMITRESPONSE']._serialized_end=459
-  _globals['_ACQUIREREQUEST']._serialized_start=461
-  _globals['_ACQUIREREQUEST']._serialized_end=535
-  _globals['_ACQUIRERESPONSE']._serialized_start=537
-  _globals['_ACQUIRERESPONSE']._serialized_end=573
-  _globals['_RELEASEREQUEST']._serialized_start=575
-  _globals['_RELEASEREQUEST']._serialized_end=652
-  _globals['_RELEASERESPONSE']._serialized_start=654
-  _globals['_RELEASERESPONSE']._serialized_end=671
-  _globals['_INFOREQUEST']._serialized_start=673
-  _globals['_INFOREQUEST']._serialized_end=686
-  _globals['_STATREQUEST']._serialized_start=688
-  _globals['_STATREQUEST']._serialized_end=701
-  _globals['_CLIENTSTAT']._serialized_start=703
-  _globals['_CLIENTSTAT']._serialized_end=826
-  _globals['_STATRESPONSE']._serialized_start=829
-  _globals['_STATRESPONSE']._serialized_end=1299
-  _globals['_DAEMON']._serialized_start=1302
-  _globals['_DAEMON']._serialized_end=1745
+  _globals['_HANDLE']._serialized_start=49
+  _globals['_HANDLE']._serialized_end=162
+  _globals['_TENSORHANDLE']._serialized_start=164
+  _globals['_TENSORHANDLE']._serialized_end=262
+  _globals['_ARENAINFO']._serialized_start=264
+  _globals['_ARENAINFO']._serialized_end=357
+  _globals['_LOANREQUEST']._serialized_start=359
+  _globals['_LOANREQUEST']._serialized_end=388
+  _globals['_LOANRESPONSE']._serialized_start=390
+  _globals['_LOANRESPONSE']._serialized_end=446
+  _globals['_COMMITREQUEST']._serialized_start=448
+  _globals['_COMMITREQUEST']._serialized_end=522
+  _globals['_COMMITRESPONSE']._serialized_start=524
+  _globals['_COMMITRESPONSE']._serialized_end=540
+  _globals['_ACQUIREREQUEST']._serialized_start=542
+  _globals['_ACQUIREREQUEST']._serialized_end=616
+  _globals['_ACQUIRERESPONSE']._serialized_start=618
+  _globals['_ACQUIRERESPONSE']._serialized_end=654
+  _globals['_RELEASEREQUEST']._serialized_start=656
+  _globals['_RELEASEREQUEST']._serialized_end=733
+  _globals['_RELEASERESPONSE']._serialized_start=735
+  _globals['_RELEASERESPONSE']._serialized_end=752
+  _globals['_INFOREQUEST']._serialized_start=754
+  _globals['_INFOREQUEST']._serialized_end=767
+  _globals['_STATREQUEST']._serialized_start=769
+  _globals['_STATREQUEST']._serialized_end=782
+  _globals['_CLIENTSTAT']._serialized_start=784
+  _globals['_CLIENTSTAT']._serialized_end=907
+  _globals['_STATRESPONSE']._serialized_start=910
+  _globals['_STATRESPONSE']._serialized_end=1380
+  _globals['_DAEMON']._serialized_start=1383
+  _globals['_DAEMON']._serialized_end=1826
 # @@protoc_insertion_point(module_scope)

@@ -7,22 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handle(_message.Message):
-    __slots__ = ("name", "offset", "nbytes", "owner_id", "generation", "instance_id", "alloc_id")
+    __slots__ = ("name", "offset", "nbytes", "owner_id", "generation", "instance_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    ALLOC_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     nbytes: int
     owner_id: str
     generation: int
     instance_id: str
-    alloc_id: int
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., owner_id: _Optional[str] = ..., generation: _Optional[int] = ..., instance_id: _Optional[str] = ..., alloc_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., owner_id: _Optional[str] = ..., generation: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class TensorHandle(_message.Message):
+    __slots__ = ("shm", "dtype", "shape", "digest")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    shm: Handle
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    digest: bytes
+    def __init__(self, shm: _Optional[_Union[Handle, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class ArenaInfo(_message.Message):
     __slots__ = ("instance_id", "segment_name", "nbytes", "shm_namespace")

@@ -1,0 +1,431 @@
+"""Client library: ``Producer`` (put, loan → commit) and ``Consumer`` (acquire → release).
+
+The frontend writes tensors straight into shared memory (``loan``) or copies once with the content
+digest fused into the copy (``put(..., hash=True)``); the worker gets zero-copy read-only numpy
+views and torch tensors. Batch forms make one RPC per request, not per tensor.
+
+Views never read freed memory silently: once a loan or lease is released, ``.array`` raises; and
+if the caller still holds a view from before, the client keeps the daemon's reference until that
+view is gone (checked on every later call and at close), so the bytes cannot be reused under it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import warnings
+import weakref
+from typing import Any, Iterable, Sequence
+
+import grpc
+import numpy as np
+
+from . import arena
+from ._backend import kernels
+from .daemon.config import default_socket_path
+from .daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
+from .errors import (
+    ClosedError,
+    IdentityMismatch,
+    InvalidArgument,
+    PermissionDenied,
+    Reason,
+    Unavailable,
+    error_from_rpc,
+)
+from .tensors import as_byte_array, dtype_from_name, dtype_name, to_torch
+from .v1 import daemon_pb2 as pb
+from .v1 import daemon_pb2_grpc as pb_grpc
+
+_log = logging.getLogger("shmtransport.client")
+
+
+class Handle:
+    """A tensor in shared memory: the daemon handle plus dtype, shape and (optional) digest."""
+
+    __slots__ = ("shm", "dtype", "shape", "digest")
+
+    def __init__(self, shm: pb.Handle, dtype: str, shape: Sequence[int], digest: bytes = b""):
+        self.shm = shm
+        self.dtype = dtype
+        self.shape = tuple(int(d) for d in shape)
+        self.digest = digest
+
+    @property
+    def nbytes(self) -> int:
+        return self.shm.nbytes
+
+    def to_proto(self) -> pb.TensorHandle:
+        return pb.TensorHandle(shm=self.shm, dtype=self.dtype, shape=self.shape, digest=self.digest)
+
+    @classmethod
+    def from_proto(cls, msg: pb.TensorHandle) -> "Handle":
+        return cls(msg.shm, msg.dtype, msg.shape, msg.digest)
+
+    def to_bytes(self) -> bytes:
+        return self.to_proto().SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Handle":
+        msg = pb.TensorHandle()
+        try:
+            msg.ParseFromString(data)
+        except Exception as exc:  # protobuf raises DecodeError; keep our error type
+            raise InvalidArgument(f"not a serialized TensorHandle: {exc}") from exc
+        return cls.from_proto(msg)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Handle) and self.to_bytes() == other.to_bytes()
+
+    def __hash__(self) -> int:
+        return hash((self.shm.instance_id, self.shm.offset, self.shm.generation))
+
+    def __repr__(self) -> str:
+        return (
+            f"Handle({self.dtype}{list(self.shape)}, nbytes={self.nbytes}, offset={self.shm.offset}, "
+            f"gen={self.shm.generation}, instance={self.shm.instance_id})"
+        )
+
+
+class _Connection:
+    """Session handshake + gRPC channel to one daemon instance; reconnects after a restart."""
+
+    def __init__(self, socket_path: str, timeout_s: float, writable: bool):
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.writable = writable
+        self._lock = threading.Lock()
+        self._session_sock: socket.socket | None = None
+        self._channel: grpc.Channel | None = None
+        self.stub: pb_grpc.DaemonStub | None = None
+        self.mapping: arena.ArenaMapping | None = None
+        self.hello: dict[str, Any] = {}
+        self._metadata: tuple = ()
+
+    def ensure(self) -> None:
+        with self._lock:
+            if self.stub is None:
+                self._connect()
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path + ".session")
+            line = sock.makefile("rb").readline(65536)
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(f"cannot reach shmtransportd at {self.socket_path}: {exc}") from exc
+        try:
+            hello = json.loads(line)
+        except ValueError:
+            hello = {}
+        if "token" not in hello:
+            sock.close()
+            if hello.get("error") == "permission_denied":
+                raise PermissionDenied(f"daemon refused this client: {hello.get('message')}")
+            raise Unavailable(f"bad session handshake from {self.socket_path}")
+        mapping = arena.attach(hello["segment_name"], hello["arena_nbytes"], self.writable)
+        self.hello = hello
+        self._session_sock = sock
+        self._metadata = ((SESSION_METADATA_KEY, hello["token"]),)
+        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=GRPC_OPTIONS)
+        self.stub = pb_grpc.DaemonStub(self._channel)
+        self.mapping = mapping
+
+    def call(self, method: str, request):
+        """One unary RPC with the session token and timeout; typed errors; reconnect next time."""
+        self.ensure()
+        try:
+            return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as err:
+            exc = error_from_rpc(err)
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
+                exc.reason is Reason.PERMISSION_DENIED and "session" in exc.message
+            ):
+                self.disconnect()  # the daemon is gone or restarted: a fresh session next call
+            raise exc from None
+
+    @property
+    def instance_id(self) -> str:
+        return self.hello.get("instance_id", "")
+
+    def disconnect(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            if self._session_sock is not None:
+                self._session_sock.close()
+            if self.mapping is not None:
+                arena.detach(self.mapping)
+            self._channel = self.stub = self._session_sock = self.mapping = None
+
+
+class _View:
+    """Shared machinery of a Loan and a Lease: a typed view over the bytes a handle names."""
+
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview):
+        self._client = client
+        self.handle = handle
+        self._memory = memory
+        self._array: np.ndarray | None = None
+        self._array_ref: weakref.ref | None = None
+        self._released = False
+
+    @property
+    def closed(self) -> bool:
+        return self._released
+
+    @property
+    def array(self) -> np.ndarray:
+        """Zero-copy numpy view with the tensor's dtype and shape."""
+        if self._released:
+            raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
+        if self._array is None:
+            raw = np.frombuffer(self._memory, dtype=np.uint8)
+            self._array = raw.view(dtype_from_name(self.handle.dtype)).reshape(self.handle.shape)
+            self._array_ref = weakref.ref(self._array)
+        return self._array
+
+    def tensor(self):
+        """Zero-copy torch tensor over the same bytes (bfloat16 included)."""
+        return to_torch(self.array, self.handle.dtype)
+
+    def _views_alive(self) -> bool:
+        return self._array_ref is not None and self._array_ref() is not None
+
+    def _detach_views(self) -> None:
+        self._released = True
+        self._array = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):
+        if not getattr(self, "_released", True):
+            warnings.warn(f"{type(self).__name__} {self.handle!r} was never released", ResourceWarning, 2)
+
+
+class Loan(_View):
+    """Writable bytes loaned to a producer; ``commit`` seals them and returns the handle."""
+
+    def commit(self, hash: bool = False, hold_ms: int = 0) -> Handle:
+        return self._client.commit_many([self], hash=hash, hold_ms=hold_ms)[0]
+
+    def release(self) -> None:
+        """Give the loan back without committing (or drop the producer reference after commit)."""
+        if not self._released:
+            self._client._release_views([self], [])
+
+    def __repr__(self) -> str:
+        return f"Loan({self.handle!r}, {'released' if self._released else 'live'})"
+
+
+class Lease(_View):
+    """A consumer's read-only view of committed bytes, valid until ``release``."""
+
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview, lease_id: int):
+        super().__init__(client, handle, memory)
+        self.lease_id = lease_id
+
+    def verify(self) -> None:
+        """Recompute the content digest from shared memory; IdentityMismatch when it differs."""
+        if not self.handle.digest:
+            raise InvalidArgument("handle carries no digest: the producer did not hash")
+        if kernels.tree_digest(self._memory) != self.handle.digest:
+            raise IdentityMismatch(f"content digest mismatch for {self.handle!r}")
+
+    def release(self) -> None:
+        if not self._released:
+            self._client._release_views([], [self])
+
+    def __repr__(self) -> str:
+        return f"Lease(id={self.lease_id}, {self.handle!r}, {'released' if self._released else 'live'})"
+
+
+class _Client:
+    _writable = False
+
+    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0):
+        self._conn = _Connection(socket_path or default_socket_path(), timeout_s, self._writable)
+        self._deferred: list[tuple[list[Loan], list[Lease]]] = []
+        self._closed = False
+        self._conn.ensure()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def instance_id(self) -> str:
+        return self._conn.instance_id
+
+    def stat(self) -> pb.StatResponse:
+        return self._call("Stat", pb.StatRequest())
+
+    def _call(self, method: str, request):
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+        if self._deferred:
+            self._flush_deferred()
+        return self._conn.call(method, request)
+
+    def _memory(self, shm: pb.Handle) -> memoryview:
+        mapping = self._conn.mapping
+        if mapping is None or shm.name != mapping.name:
+            raise Unavailable(f"handle of segment {shm.name!r} is not this daemon's arena", Reason.INSTANCE_MISMATCH)
+        return mapping.view(shm.offset, shm.nbytes)
+
+    def _release_views(self, loans: list[Loan], leases: list[Lease]) -> None:
+        """Release now, or once no caller-held view remains (so the bytes are never reused under it)."""
+        for view in (*loans, *leases):
+            view._detach_views()
+        if any(view._views_alive() for view in (*loans, *leases)):
+            self._deferred.append((loans, leases))
+            return
+        self._send_release(loans, leases)
+
+    def _send_release(self, loans: list[Loan], leases: list[Lease]) -> None:
+        request = pb.ReleaseRequest(
+            handles=[loan.handle.shm for loan in loans], lease_ids=[lease.lease_id for lease in leases]
+        )
+        self._conn.call("Release", request)
+
+    def _flush_deferred(self, force: bool = False) -> None:
+        pending, self._deferred = self._deferred, []
+        for loans, leases in pending:
+            if not force and any(view._views_alive() for view in (*loans, *leases)):
+                self._deferred.append((loans, leases))
+                continue
+            if force and any(view._views_alive() for view in (*loans, *leases)):
+                warnings.warn("releasing shared memory while views of it are still alive", ResourceWarning, 2)
+            try:
+                self._send_release(loans, leases)
+            except Unavailable:
+                pass  # the daemon is gone: it holds nothing of ours any more
+
+    def close(self) -> None:
+        """Release what is still deferred and end the session (the daemon reclaims the rest)."""
+        if self._closed:
+            return
+        try:
+            if self._deferred:
+                self._flush_deferred(force=True)
+        finally:
+            self._closed = True
+            self._conn.disconnect()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"instance={self.instance_id}"
+        return f"{type(self).__name__}({self._conn.socket_path!r}, {state})"
+
+
+class Producer(_Client):
+    _writable = True
+
+    def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None) -> Loan:
+        """Writable shared memory for one tensor: ``loan(nbytes)`` (uint8) or ``loan(shape=, dtype=)``."""
+        return self.loan_many([(nbytes, shape, dtype)])[0]
+
+    def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]]) -> list[Loan]:
+        """Loans for every ``(nbytes, shape, dtype)`` in one RPC (all or nothing)."""
+        typed = [_loan_spec(*spec) for spec in specs]
+        response = self._call("Loan", pb.LoanRequest(nbytes=[max(nbytes, 1) for _, _, nbytes in typed]))
+        return [
+            Loan(self, Handle(shm, dt, shape), self._memory(shm)[:nbytes])
+            for shm, (dt, shape, nbytes) in zip(response.handles, typed)
+        ]
+
+    def commit_many(self, loans: Sequence[Loan], hash: bool = False, hold_ms: int = 0) -> list[Handle]:
+        """Seal loans in one RPC; ``hash`` computes each content digest from shared memory first."""
+        for loan in loans:
+            if loan._released:
+                raise ClosedError(f"{loan!r} was released; it cannot be committed")
+            if hash:
+                loan.handle.digest = kernels.tree_digest(loan._memory)
+        self._call("Commit", pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms))
+        return [loan.handle for loan in loans]
+
+    def put(self, tensor: Any, hash: bool = False, hold_ms: int = 0) -> Handle:
+        """Copy one numpy array / torch tensor into shared memory (one copy, digest fused)."""
+        return self.put_many([tensor], hash=hash, hold_ms=hold_ms)[0]
+
+    def put_many(self, tensors: Sequence[Any], hash: bool = False, hold_ms: int = 0) -> list[Handle]:
+        """Copy every tensor into shared memory with one Loan and one Commit RPC."""
+        sources = [as_byte_array(t) for t in tensors]
+        loans = self.loan_many([(src.nbytes, shape, dt) for src, dt, shape in sources])
+        try:
+            for loan, (src, _, _) in zip(loans, sources):
+                if hash:
+                    loan.handle.digest = kernels.copy_tree_digest(loan._memory, src)
+                else:
+                    kernels.copy(loan._memory, src)
+            handles = self.commit_many(loans, hash=False, hold_ms=hold_ms)
+        except BaseException:
+            self._release_views(loans, [])
+            raise
+        for loan in loans:
+            loan._detach_views()  # the producer keeps its reference through the handle, not the loan
+        return handles
+
+    def release(self, handles: Handle | Iterable[Handle]) -> None:
+        """Drop this producer's reference(s); bytes are freed once every consumer released too."""
+        handles = [handles] if isinstance(handles, Handle) else list(handles)
+        self._call("Release", pb.ReleaseRequest(handles=[h.shm for h in handles]))
+
+
+class Consumer(_Client):
+    _writable = False
+
+    def acquire(self, handle: Handle, ttl_ms: int = 0) -> Lease:
+        return self.acquire_many([handle], ttl_ms=ttl_ms)[0]
+
+    def acquire_many(self, handles: Sequence[Handle], ttl_ms: int = 0) -> list[Lease]:
+        """Leases on every handle in one RPC; read-only zero-copy views."""
+        handles = list(handles)
+        for h in handles:
+            if h.shm.instance_id != self.instance_id:
+                # Checked by the daemon too; failing early avoids mapping a foreign segment.
+                raise Unavailable(
+                    f"handle of daemon instance {h.shm.instance_id!r}, connected to {self.instance_id!r}",
+                    Reason.INSTANCE_MISMATCH,
+                )
+            _check_manifest(h)
+        response = self._call("Acquire", pb.AcquireRequest(handles=[h.shm for h in handles], ttl_ms=ttl_ms))
+        return [Lease(self, h, self._memory(h.shm), lease_id) for h, lease_id in zip(handles, response.lease_ids)]
+
+    def release_many(self, leases: Sequence[Lease]) -> None:
+        live = [lease for lease in leases if not lease._released]
+        if live:
+            self._release_views([], live)
+
+
+def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> tuple[str, tuple[int, ...], int]:
+    if shape is None:
+        if nbytes is None or dtype is not None:
+            raise InvalidArgument("loan needs nbytes, or shape and dtype")
+        return "uint8", (int(nbytes),), int(nbytes)
+    name = dtype_name(dtype if dtype is not None else np.uint8)
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"shape must not be negative: {shape}")
+    size = int(np.prod(shape, dtype=np.int64)) * dtype_from_name(name).itemsize
+    if nbytes is not None and nbytes != size:
+        raise InvalidArgument(f"nbytes={nbytes} does not match shape {shape} of {name} ({size} bytes)")
+    return name, shape, size
+
+
+def _check_manifest(h: Handle) -> None:
+    expected = int(np.prod(h.shape, dtype=np.int64)) * dtype_from_name(h.dtype).itemsize
+    if expected != h.nbytes and not (expected == 0 and h.nbytes == 1):
+        raise InvalidArgument(f"handle nbytes {h.nbytes} != {h.dtype}{list(h.shape)} ({expected} bytes)")

@@ -1,0 +1,68 @@
+"""Daemon settings and their defaults (socket path, arena size, quotas, TTLs)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+
+from .segments import shm_free_nbytes, shm_size_advice
+
+_log = logging.getLogger("shmtransport.daemon")
+
+PAGE = 4096
+MIN_RECOMMENDED_ARENA = 1 << 30
+MAX_DEFAULT_ARENA = 8 << 30
+
+
+def default_socket_path() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return os.path.join(base, "shmtransport.sock")
+
+
+def default_arena_nbytes() -> int:
+    """Half of what /dev/shm has free, at most 8 GiB, whole pages; warns when that is small."""
+    free = shm_free_nbytes()
+    nbytes = min(free // 2, MAX_DEFAULT_ARENA) // PAGE * PAGE
+    if nbytes < MIN_RECOMMENDED_ARENA:
+        _log.warning(
+            "/dev/shm has only %d MiB free, so the arena gets %d MiB; for a %d MiB arena: %s",
+            free >> 20,
+            nbytes >> 20,
+            MIN_RECOMMENDED_ARENA >> 20,
+            shm_size_advice(2 * MIN_RECOMMENDED_ARENA),
+        )
+    return max(nbytes, PAGE)
+
+
+@dataclasses.dataclass
+class DaemonConfig:
+    socket_path: str = dataclasses.field(default_factory=default_socket_path)
+    arena_nbytes: int | None = None  # None: default_arena_nbytes()
+    name_prefix: str = "shmt"
+    allowed_uids: tuple[int, ...] = dataclasses.field(default_factory=lambda: (os.getuid(),))
+    socket_group: str | None = None  # when set: sockets 0660 owned by this group, else 0600
+    quota_nbytes: int | None = None  # per session; None: the whole arena
+    quota_leases: int = 100_000
+    default_lease_ttl_ms: int = 300_000
+    max_lease_ttl_ms: int = 3_600_000
+    default_hold_ms: int = 0
+    page_align_min_nbytes: int = 64 * 1024
+    metrics_port: int | None = None
+    grpc_workers: int = 8
+    stop_grace_s: float = 5.0
+
+    @property
+    def session_socket_path(self) -> str:
+        return self.socket_path + ".session"
+
+    @property
+    def socket_mode(self) -> int:
+        return 0o660 if self.socket_group else 0o600
+
+    def resolved_arena_nbytes(self) -> int:
+        if self.arena_nbytes is None:
+            return default_arena_nbytes()
+        if self.arena_nbytes < PAGE:
+            raise ValueError(f"arena_nbytes must be >= {PAGE}, got {self.arena_nbytes}")
+        return (self.arena_nbytes + PAGE - 1) // PAGE * PAGE

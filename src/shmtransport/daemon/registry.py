@@ -1,0 +1,391 @@
+"""The daemon's book of who holds which bytes: allocations, leases, sessions, TTLs and quotas.
+
+Lifetime (DESIGN §3): a producer ``loan``s (the allocation is owned by its session, writable, not
+visible), ``commit``s (sealed; consumers may ``acquire`` leases), and ``release``s its reference.
+Bytes go back to the allocator when no producer reference, no lease and no hold remain. A session
+that dies loses every reference and lease it held; leases and holds also expire by TTL.
+
+Handles are checked against the allocation that currently lives at their offset: same instance,
+segment, offset, size and generation, or the call is refused. Generations are never reused, so a
+handle to freed or re-allocated bytes is always detected (no ABA).
+
+All methods take the one registry lock; none blocks or does I/O under it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import heapq
+import threading
+import time
+from typing import Iterable
+
+from ..errors import (
+    HandleError,
+    InvalidArgument,
+    OwnershipError,
+    PermissionDenied,
+    Reason,
+    ResourceExhausted,
+    StateError,
+    Unavailable,
+)
+from ..v1 import daemon_pb2 as pb
+from .allocator import Allocator
+
+_RATE_WINDOW_S = 5.0
+
+
+class ObjState(enum.Enum):
+    LOANED = "loaned"
+    COMMITTED = "committed"
+
+
+@dataclasses.dataclass
+class Session:
+    session_id: str
+    pid: int
+    uid: int
+    owned_nbytes: int = 0  # bytes of allocations this session still holds a producer reference to
+    producer_refs: set[int] = dataclasses.field(default_factory=set)  # offsets
+    leases: set[int] = dataclasses.field(default_factory=set)  # lease ids
+
+
+@dataclasses.dataclass
+class Allocation:
+    offset: int
+    nbytes: int
+    generation: int
+    owner: str  # session id of the producer
+    state: ObjState = ObjState.LOANED
+    producer_ref: bool = True
+    hold_until: float = 0.0  # monotonic deadline; 0 = no hold
+    leases: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class Lease:
+    lease_id: int
+    offset: int
+    generation: int
+    session_id: str
+    expires_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    quota_nbytes: int  # per session, bytes held by producer references
+    quota_leases: int  # per session
+    default_lease_ttl_ms: int
+    max_lease_ttl_ms: int
+    default_hold_ms: int
+    max_batch: int = 4096
+
+
+class Registry:
+    def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: Limits):
+        self.instance_id = instance_id
+        self.segment_name = segment_name
+        self.allocator = allocator
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._objects: dict[int, Allocation] = {}  # offset -> allocation
+        self._leases: dict[int, Lease] = {}
+        self._sessions: dict[str, Session] = {}
+        self._deadlines: list[tuple[float, int, int]] = []  # (when, kind, key) lazily invalidated
+        self._next_generation = 1
+        self._next_lease_id = 1
+        self._alloc_times: collections.deque[float] = collections.deque(maxlen=100_000)
+        self.counters = collections.Counter()
+
+    # -- sessions --------------------------------------------------------------------------------
+    def open_session(self, session_id: str, pid: int, uid: int) -> Session:
+        with self._lock:
+            session = Session(session_id, pid, uid)
+            self._sessions[session_id] = session
+            self.counters["sessions_total"] += 1
+            return session
+
+    def session(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise PermissionDenied("unknown or closed session: connect through the daemon's handshake")
+        return session
+
+    def close_session(self, session_id: str) -> None:
+        """The client is gone (its session socket closed): drop everything it held."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return
+            for lease_id in list(session.leases):
+                lease = self._leases.get(lease_id)
+                if lease is not None:
+                    self.counters["reclaimed_death_leases"] += 1
+                    self.counters["reclaimed_death_nbytes"] += self._drop_lease(lease, session)
+            for offset in list(session.producer_refs):
+                self.counters["reclaimed_death_refs"] += 1
+                self.counters["reclaimed_death_nbytes"] += self._drop_producer_ref(self._objects[offset], session)
+
+    # -- producer side ---------------------------------------------------------------------------
+    def loan(self, session_id: str, sizes: Iterable[int]) -> list[pb.Handle]:
+        sizes = list(sizes)
+        self._check_batch(sizes, "nbytes")
+        for nbytes in sizes:
+            if nbytes < 1:
+                raise InvalidArgument(f"nbytes must be >= 1, got {nbytes}")
+        with self._lock:
+            session = self._live_session(session_id)
+            total = sum(sizes)
+            if session.owned_nbytes + total > self.limits.quota_nbytes:
+                self.counters["allocation_failures"] += 1
+                raise ResourceExhausted(
+                    f"quota exceeded: session holds {session.owned_nbytes} bytes, asks {total} more, "
+                    f"quota {self.limits.quota_nbytes}",
+                    Reason.QUOTA_EXCEEDED,
+                )
+            offsets: list[int] = []
+            try:
+                for nbytes in sizes:
+                    offsets.append(self.allocator.allocate(nbytes))
+            except ResourceExhausted:
+                for offset in offsets:
+                    self.allocator.free(offset)
+                self.counters["allocation_failures"] += 1
+                raise
+            now = time.monotonic()
+            handles = []
+            for offset, nbytes in zip(offsets, sizes):
+                obj = Allocation(offset, nbytes, self._next_generation, session_id)
+                self._next_generation += 1
+                self._objects[offset] = obj
+                session.producer_refs.add(offset)
+                session.owned_nbytes += nbytes
+                self._alloc_times.append(now)
+                handles.append(self._handle(obj))
+            self.counters["allocations_total"] += len(sizes)
+            return handles
+
+    def commit(self, session_id: str, handles: Iterable[pb.Handle], hold_ms: int) -> None:
+        handles = list(handles)
+        self._check_batch(handles, "handles")
+        hold_ms = hold_ms or self.limits.default_hold_ms
+        if hold_ms > self.limits.max_lease_ttl_ms:
+            raise InvalidArgument(f"hold_ms={hold_ms} exceeds the maximum {self.limits.max_lease_ttl_ms}")
+        with self._lock:
+            self._live_session(session_id)
+            objs = [self._resolve(h) for h in handles]
+            for obj in objs:
+                if obj.owner != session_id or not obj.producer_ref:
+                    raise OwnershipError(f"commit of an object this session does not hold (offset {obj.offset})")
+                if obj.state is not ObjState.LOANED:
+                    raise StateError(f"object at offset {obj.offset} is already committed")
+            if len({obj.offset for obj in objs}) != len(objs):
+                raise InvalidArgument("the same handle appears twice in one commit")
+            until = time.monotonic() + hold_ms / 1000 if hold_ms else 0.0
+            for obj in objs:
+                obj.state = ObjState.COMMITTED
+                if until:
+                    obj.hold_until = until
+                    heapq.heappush(self._deadlines, (until, 0, obj.offset))
+
+    # -- consumer side ---------------------------------------------------------------------------
+    def acquire(self, session_id: str, handles: Iterable[pb.Handle], ttl_ms: int) -> list[int]:
+        handles = list(handles)
+        self._check_batch(handles, "handles")
+        ttl_ms = ttl_ms or self.limits.default_lease_ttl_ms
+        if ttl_ms > self.limits.max_lease_ttl_ms:
+            raise InvalidArgument(f"ttl_ms={ttl_ms} exceeds the maximum {self.limits.max_lease_ttl_ms}")
+        with self._lock:
+            session = self._live_session(session_id)
+            objs = [self._resolve(h) for h in handles]
+            for obj in objs:
+                if obj.state is not ObjState.COMMITTED:
+                    raise StateError(f"object at offset {obj.offset} is not committed yet")
+            if len(session.leases) + len(objs) > self.limits.quota_leases:
+                raise ResourceExhausted(
+                    f"lease quota exceeded: session holds {len(session.leases)} leases, "
+                    f"quota {self.limits.quota_leases}",
+                    Reason.QUOTA_EXCEEDED,
+                )
+            expires_at = time.monotonic() + ttl_ms / 1000
+            lease_ids = []
+            for obj in objs:
+                lease = Lease(self._next_lease_id, obj.offset, obj.generation, session_id, expires_at)
+                self._next_lease_id += 1
+                self._leases[lease.lease_id] = lease
+                obj.leases.add(lease.lease_id)
+                session.leases.add(lease.lease_id)
+                heapq.heappush(self._deadlines, (expires_at, 1, lease.lease_id))
+                lease_ids.append(lease.lease_id)
+            return lease_ids
+
+    # -- both ------------------------------------------------------------------------------------
+    def release(self, session_id: str, handles: Iterable[pb.Handle], lease_ids: Iterable[int]) -> None:
+        handles, lease_ids = list(handles), list(lease_ids)
+        self._check_batch(handles + lease_ids, "handles + lease_ids")
+        with self._lock:
+            session = self._live_session(session_id)
+            objs = [self._resolve(h) for h in handles]
+            for obj in objs:
+                if obj.owner != session_id:
+                    raise OwnershipError(f"release of another client's object (offset {obj.offset})")
+                if not obj.producer_ref:
+                    raise StateError(f"object at offset {obj.offset} already released", Reason.DOUBLE_RELEASE)
+            leases = []
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is None:
+                    if 0 < lease_id < self._next_lease_id:
+                        raise StateError(f"lease {lease_id} already released or expired", Reason.DOUBLE_RELEASE)
+                    raise HandleError(f"unknown lease {lease_id}")
+                if lease.session_id != session_id:
+                    raise OwnershipError(f"lease {lease_id} belongs to another client")
+                leases.append(lease)
+            if len({obj.offset for obj in objs}) != len(objs) or len(set(lease_ids)) != len(lease_ids):
+                raise InvalidArgument("the same handle or lease appears twice in one release")
+            for obj in objs:
+                self._drop_producer_ref(obj, session)
+            for lease in leases:
+                self._drop_lease(lease, session)
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop leases and holds whose deadline passed (the sweeper thread calls this)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, kind, key = heapq.heappop(self._deadlines)
+                if kind == 1:
+                    lease = self._leases.get(key)
+                    if lease is not None and lease.expires_at <= now:
+                        self.counters["reclaimed_ttl_leases"] += 1
+                        session = self._sessions.get(lease.session_id)
+                        self.counters["reclaimed_ttl_nbytes"] += self._drop_lease(lease, session)
+                else:
+                    obj = self._objects.get(key)
+                    if obj is not None and obj.hold_until and obj.hold_until <= now:
+                        obj.hold_until = 0.0
+                        self._maybe_free(obj)
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            return self._deadlines[0][0] if self._deadlines else None
+
+    # -- introspection ---------------------------------------------------------------------------
+    def stat(self) -> pb.StatResponse:
+        with self._lock:
+            now = time.monotonic()
+            recent = sum(1 for t in self._alloc_times if now - t <= _RATE_WINDOW_S)
+            clients = [
+                pb.ClientStat(
+                    session_id=s.session_id,
+                    pid=s.pid,
+                    uid=s.uid,
+                    loaned_nbytes=sum(
+                        self._objects[o].nbytes for o in s.producer_refs if self._objects[o].state is ObjState.LOANED
+                    ),
+                    committed_nbytes=sum(
+                        self._objects[o].nbytes
+                        for o in s.producer_refs
+                        if self._objects[o].state is ObjState.COMMITTED
+                    ),
+                    leases=len(s.leases),
+                )
+                for s in self._sessions.values()
+            ]
+            a = self.allocator
+            c = self.counters
+            return pb.StatResponse(
+                used_nbytes=a.used_nbytes,
+                free_nbytes=a.free_nbytes,
+                largest_free_nbytes=a.largest_free_nbytes,
+                free_extents=a.free_extents,
+                live_objects=len(self._objects),
+                live_leases=len(self._leases),
+                clients=clients,
+                allocations_total=c["allocations_total"],
+                allocations_per_s=recent / _RATE_WINDOW_S,
+                reclaimed_ttl_nbytes=c["reclaimed_ttl_nbytes"],
+                reclaimed_ttl_leases=c["reclaimed_ttl_leases"],
+                reclaimed_death_nbytes=c["reclaimed_death_nbytes"],
+                reclaimed_death_leases=c["reclaimed_death_leases"],
+                allocation_failures=c["allocation_failures"],
+                sessions_total=c["sessions_total"],
+            )
+
+    # -- internals (lock held) -------------------------------------------------------------------
+    def _check_batch(self, items: list, what: str) -> None:
+        if not items:
+            raise InvalidArgument(f"{what} must not be empty")
+        if len(items) > self.limits.max_batch:
+            raise InvalidArgument(f"{what}: {len(items)} entries exceed the batch limit {self.limits.max_batch}")
+
+    def _live_session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise PermissionDenied("unknown or closed session: connect through the daemon's handshake")
+        return session
+
+    def _handle(self, obj: Allocation) -> pb.Handle:
+        return pb.Handle(
+            name=self.segment_name,
+            offset=obj.offset,
+            nbytes=obj.nbytes,
+            owner_id=obj.owner,
+            generation=obj.generation,
+            instance_id=self.instance_id,
+        )
+
+    def _resolve(self, h: pb.Handle) -> Allocation:
+        """The live allocation a handle names, or a typed refusal. Never trusts any field alone."""
+        if h.instance_id != self.instance_id:
+            raise Unavailable(
+                f"handle of daemon instance {h.instance_id!r}, this is {self.instance_id!r} "
+                "(the daemon restarted; its bytes are gone)",
+                Reason.INSTANCE_MISMATCH,
+            )
+        if h.name != self.segment_name:
+            raise HandleError(f"unknown segment {h.name!r}")
+        if h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes:
+            raise HandleError(
+                f"offset {h.offset} + nbytes {h.nbytes} outside the arena of {self.allocator.nbytes} bytes",
+                Reason.OUT_OF_BOUNDS,
+            )
+        obj = self._objects.get(h.offset)
+        if obj is None or obj.generation != h.generation:
+            if 0 < h.generation < self._next_generation:
+                raise HandleError(
+                    f"stale handle: the bytes at offset {h.offset} (generation {h.generation}) were freed or reused",
+                    Reason.STALE_HANDLE,
+                )
+            raise HandleError(f"no allocation with generation {h.generation} at offset {h.offset}")
+        if obj.nbytes != h.nbytes:
+            raise HandleError(
+                f"handle nbytes {h.nbytes} does not match the allocation ({obj.nbytes})", Reason.OUT_OF_BOUNDS
+            )
+        return obj
+
+    def _drop_producer_ref(self, obj: Allocation, session: Session | None) -> int:
+        obj.producer_ref = False
+        if session is not None:
+            session.producer_refs.discard(obj.offset)
+            session.owned_nbytes -= obj.nbytes
+        return self._maybe_free(obj)
+
+    def _drop_lease(self, lease: Lease, session: Session | None) -> int:
+        del self._leases[lease.lease_id]
+        if session is not None:
+            session.leases.discard(lease.lease_id)
+        obj = self._objects[lease.offset]
+        obj.leases.discard(lease.lease_id)
+        return self._maybe_free(obj)
+
+    def _maybe_free(self, obj: Allocation) -> int:
+        """Free the bytes if nothing holds them any more; the number of bytes freed (0 if kept)."""
+        if obj.producer_ref or obj.leases or obj.hold_until:
+            return 0
+        del self._objects[obj.offset]
+        self.allocator.free(obj.offset)
+        return obj.nbytes

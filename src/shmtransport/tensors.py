@@ -1,0 +1,93 @@
+"""Tensors as dtype + shape + bytes: vLLM's dtype names, numpy/torch conversion, zero-copy.
+
+numpy has no bfloat16, so bfloat16 bytes are carried as uint16 storage on the numpy side and
+reinterpreted (never converted) on the torch side.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidArgument
+
+# vLLM's 13 accepted tensor dtypes -> numpy storage dtype.
+DTYPES: dict[str, np.dtype] = {
+    "bool": np.dtype(np.bool_),
+    "uint8": np.dtype(np.uint8),
+    "int8": np.dtype(np.int8),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "uint16": np.dtype(np.uint16),
+    "int16": np.dtype(np.int16),
+    "float32": np.dtype(np.float32),
+    "uint32": np.dtype(np.uint32),
+    "int32": np.dtype(np.int32),
+    "float64": np.dtype(np.float64),
+    "uint64": np.dtype(np.uint64),
+    "int64": np.dtype(np.int64),
+}
+MAX_RANK = 32
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def _is_torch(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch")
+
+
+def dtype_name(dtype: Any) -> str:
+    """vLLM's name for a numpy or torch dtype (``str(torch.dtype)`` minus ``torch.``)."""
+    if _is_torch(dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            raise InvalidArgument(f"not a dtype: {dtype!r}") from None
+    dtype_from_name(name)
+    return name
+
+
+def as_byte_array(tensor: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
+    """(flat uint8 view of the bytes, dtype name, shape) of a numpy array or CPU torch tensor.
+
+    Contiguous inputs are viewed without a copy; others are made contiguous first (one copy).
+    """
+    if _is_torch(tensor):
+        import torch
+
+        if tensor.device.type != "cpu":
+            raise InvalidArgument(f"tensor is on {tensor.device}; move it to the CPU first")
+        name = dtype_name(tensor.dtype)
+        shape = tuple(tensor.shape)
+        flat = tensor.detach().contiguous().reshape(-1)
+        if tensor.dtype is torch.bfloat16:
+            flat = flat.view(torch.uint16)
+        array = flat.numpy()
+    elif isinstance(tensor, np.ndarray):
+        name = dtype_name(tensor.dtype)
+        shape = tuple(tensor.shape)
+        array = np.ascontiguousarray(tensor).reshape(-1)
+    else:
+        raise InvalidArgument(f"expected a numpy array or torch tensor, got {type(tensor).__name__}")
+    if len(shape) > MAX_RANK:
+        raise InvalidArgument(f"rank {len(shape)} exceeds {MAX_RANK}")
+    return array.view(np.uint8), name, shape
+
+
+def to_torch(array: np.ndarray, name: str):
+    """Zero-copy torch tensor over a numpy array holding ``name``-typed bytes."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: the lease owns writability
+        tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if name == "bfloat16" else tensor
