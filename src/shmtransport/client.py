@@ -140,12 +140,20 @@ class _Connection:
         try:
             return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
-            exc = error_from_rpc(err)
-            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
-                exc.reason is Reason.PERMISSION_DENIED and "session" in exc.message
-            ):
-                self.disconnect()  # the daemon is gone or restarted: a fresh session next call
-            raise exc from None
+            raise self.typed(err) from None
+
+    def call_future(self, method: str, request) -> grpc.Future:
+        """Send an RPC without waiting for its reply; ``typed`` turns its failure into our error."""
+        self.ensure()
+        return getattr(self.stub, method).future(request, timeout=self.timeout_s, metadata=self._metadata)
+
+    def typed(self, err: grpc.RpcError):
+        exc = error_from_rpc(err)
+        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
+            exc.reason is Reason.PERMISSION_DENIED and "session" in exc.message
+        ):
+            self.disconnect()  # the daemon is gone or restarted: a fresh session next call
+        return exc
 
     @property
     def instance_id(self) -> str:
@@ -268,11 +276,14 @@ class _Client:
         return self._call("Stat", pb.StatRequest())
 
     def _call(self, method: str, request):
+        self._before_call(method)
+        return self._conn.call(method, request)
+
+    def _before_call(self, method: str) -> None:
         if self._closed:
             raise ClosedError(f"{type(self).__name__} is closed")
         if self._deferred:
             self._flush_deferred()
-        return self._conn.call(method, request)
 
     def _memory(self, shm: pb.Handle) -> memoryview:
         mapping = self._conn.mapping
@@ -346,15 +357,59 @@ class Producer(_Client):
             for shm, (dt, shape, nbytes) in zip(response.handles, typed)
         ]
 
-    def commit_many(self, loans: Sequence[Loan], hash: bool = False, hold_ms: int = 0) -> list[Handle]:
-        """Seal loans in one RPC; ``hash`` computes each content digest from shared memory first."""
+    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0):
+        self._pending_commits: list[grpc.Future] = []
+        super().__init__(socket_path, timeout_s)
+
+    def commit_many(
+        self, loans: Sequence[Loan], hash: bool = False, hold_ms: int = 0, wait: bool = False
+    ) -> list[Handle]:
+        """Seal loans in one RPC; ``hash`` computes each content digest from shared memory first.
+
+        The commit is pipelined: it returns once the request is sent, and the handles may be handed
+        off at once (the daemon makes an Acquire wait for a commit still in flight). A failed commit
+        raises from this producer's next call; ``wait=True`` waits for the reply here.
+        """
         for loan in loans:
             if loan._released:
                 raise ClosedError(f"{loan!r} was released; it cannot be committed")
             if hash:
                 loan.handle.digest = kernels.tree_digest(loan._memory)
-        self._call("Commit", pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms))
+        self._before_call("Commit")
+        request = pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms)
+        self._pending_commits.append(self._conn.call_future("Commit", request))
+        if wait:
+            self._settle_commits(block=True)
         return [loan.handle for loan in loans]
+
+    def _before_call(self, method: str) -> None:
+        super()._before_call(method)
+        # A release must not overtake the commit of the same object.
+        self._settle_commits(block=method == "Release")
+
+    def _settle_commits(self, block: bool) -> None:
+        """Raise the first failure among sent commits; wait for all of them when ``block``."""
+        pending, self._pending_commits = self._pending_commits, []
+        failure = None
+        for future in pending:
+            if not block and not future.done():
+                self._pending_commits.append(future)
+                continue
+            try:
+                future.result()
+            except grpc.RpcError as err:
+                failure = failure or self._conn.typed(err)
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        if not self._closed:
+            try:
+                self._settle_commits(block=True)
+            except Unavailable:
+                pass  # the daemon is gone: nothing of ours is left to commit
+            finally:
+                super().close()
 
     def put(self, tensor: Any, hash: bool = False, hold_ms: int = 0) -> Handle:
         """Copy one numpy array / torch tensor into shared memory (one copy, digest fused)."""

@@ -47,6 +47,7 @@ class DaemonConfig:
     default_lease_ttl_ms: int = 300_000
     max_lease_ttl_ms: int = 3_600_000
     default_hold_ms: int = 0
+    commit_wait_s: float = 2.0  # how long Acquire waits for a commit still in flight
     page_align_min_nbytes: int = 64 * 1024
     metrics_port: int | None = None
     grpc_workers: int = 8

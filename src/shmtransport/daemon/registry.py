@@ -90,6 +90,7 @@ class Registry:
         self.allocator = allocator
         self.limits = limits
         self._lock = threading.Lock()
+        self._committed = threading.Condition(self._lock)  # notified on every commit
         self._objects: dict[int, Allocation] = {}  # offset -> allocation
         self._leases: dict[int, Lease] = {}
         self._sessions: dict[str, Session] = {}
@@ -190,9 +191,14 @@ class Registry:
                 if until:
                     obj.hold_until = until
                     heapq.heappush(self._deadlines, (until, 0, obj.offset))
+            self._committed.notify_all()
 
     # -- consumer side ---------------------------------------------------------------------------
-    def acquire(self, session_id: str, handles: Iterable[pb.Handle], ttl_ms: int) -> list[int]:
+    def acquire(
+        self, session_id: str, handles: Iterable[pb.Handle], ttl_ms: int, commit_wait_s: float = 0.0
+    ) -> list[int]:
+        """Leases on committed objects. A handle whose commit has not arrived yet (producers commit
+        without waiting for the reply) is waited for up to ``commit_wait_s``."""
         handles = list(handles)
         self._check_batch(handles, "handles")
         ttl_ms = ttl_ms or self.limits.default_lease_ttl_ms
@@ -200,10 +206,16 @@ class Registry:
             raise InvalidArgument(f"ttl_ms={ttl_ms} exceeds the maximum {self.limits.max_lease_ttl_ms}")
         with self._lock:
             session = self._live_session(session_id)
-            objs = [self._resolve(h) for h in handles]
-            for obj in objs:
-                if obj.state is not ObjState.COMMITTED:
-                    raise StateError(f"object at offset {obj.offset} is not committed yet")
+            deadline = time.monotonic() + commit_wait_s
+            while True:
+                objs = [self._resolve(h) for h in handles]
+                pending = [obj for obj in objs if obj.state is not ObjState.COMMITTED]
+                remaining = deadline - time.monotonic()
+                if not pending:
+                    break
+                if remaining <= 0:
+                    raise StateError(f"object at offset {pending[0].offset} is not committed")
+                self._committed.wait(remaining)
             if len(session.leases) + len(objs) > self.limits.quota_leases:
                 raise ResourceExhausted(
                     f"lease quota exceeded: session holds {len(session.leases)} leases, "

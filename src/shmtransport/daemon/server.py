@@ -81,7 +81,11 @@ class _Servicer(pb_grpc.DaemonServicer):
 
     @_typed_errors
     def Acquire(self, request, context):
-        lease_ids = self._registry.acquire(self._session_id(context), request.handles, request.ttl_ms)
+        wait_s = self._daemon.config.commit_wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:  # answer before the caller's deadline with a typed error
+            wait_s = min(wait_s, max(0.0, remaining - 0.05))
+        lease_ids = self._registry.acquire(self._session_id(context), request.handles, request.ttl_ms, wait_s)
         return pb.AcquireResponse(lease_ids=lease_ids)
 
     @_typed_errors

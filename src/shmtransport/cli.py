@@ -1,0 +1,110 @@
+"""``shmtransport`` console script: ``daemon`` runs shmtransportd, ``stat`` prints its state."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from .daemon.config import DaemonConfig, default_socket_path
+from .errors import ShmTransportError
+
+
+def _size(text: str) -> int:
+    """Bytes from '1073741824', '512M', '4G', '64KiB'."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _run_daemon(args: argparse.Namespace) -> int:
+    from .daemon import Daemon
+
+    config = DaemonConfig(
+        socket_path=args.socket,
+        arena_nbytes=args.arena_size,
+        name_prefix=args.name_prefix,
+        allowed_uids=tuple(args.allow_uid) if args.allow_uid else (os.getuid(),),
+        socket_group=args.group,
+        quota_nbytes=args.quota_bytes,
+        quota_leases=args.quota_leases,
+        default_lease_ttl_ms=args.lease_ttl_ms,
+        metrics_port=args.metrics_port,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    daemon = Daemon(config)
+    try:
+        daemon.start()
+    except ShmTransportError as exc:
+        print(f"shmtransportd: {exc}", file=sys.stderr)
+        return 2
+    print(f"shmtransportd ready: socket {daemon.socket_path}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        daemon.stop()
+    return 0
+
+
+def _run_stat(args: argparse.Namespace) -> int:
+    from .client import Consumer
+
+    with Consumer(args.socket, timeout_s=args.timeout_s) as client:
+        s = client.stat()
+    mib = 1 << 20
+    print(f"instance        {s.arena.instance_id}  segment {s.arena.segment_name}")
+    print(f"shm namespace   {s.arena.shm_namespace}")
+    print(f"arena           {s.arena.nbytes / mib:.1f} MiB")
+    print(f"used / free     {s.used_nbytes / mib:.1f} MiB / {s.free_nbytes / mib:.1f} MiB")
+    print(f"largest free    {s.largest_free_nbytes / mib:.1f} MiB in {s.free_extents} extent(s)")
+    print(f"objects/leases  {s.live_objects} / {s.live_leases}")
+    print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")
+    print(f"reclaimed (TTL) {s.reclaimed_ttl_leases} leases, {s.reclaimed_ttl_nbytes} bytes")
+    print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_nbytes} bytes")
+    for c in s.clients:
+        print(
+            f"  client pid {c.pid} uid {c.uid}: loaned {c.loaned_nbytes} B, committed {c.committed_nbytes} B, "
+            f"{c.leases} leases"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shmtransport", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("daemon", help="run the node-local shared-memory daemon")
+    d.add_argument("--socket", default=default_socket_path(), help="Unix socket path (default: %(default)s)")
+    d.add_argument("--arena-size", type=_size, default=None, help="arena bytes (default: half of /dev/shm free)")
+    d.add_argument("--name-prefix", default="shmt", help="prefix of segment names (default: %(default)s)")
+    d.add_argument("--allow-uid", type=int, action="append", help="uid allowed to connect (repeatable)")
+    d.add_argument("--group", default=None, help="make the sockets 0660 for this group")
+    d.add_argument("--quota-bytes", type=_size, default=None, help="per-client bytes held (default: arena)")
+    d.add_argument("--quota-leases", type=int, default=100_000, help="per-client live leases")
+    d.add_argument("--lease-ttl-ms", type=int, default=300_000, help="default lease TTL")
+    d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    d.add_argument("--log-level", default="INFO")
+    d.set_defaults(func=_run_daemon)
+
+    s = sub.add_parser("stat", help="print the daemon's arena, leases and reclaim counters")
+    s.add_argument("--socket", default=default_socket_path())
+    s.add_argument("--timeout-s", type=float, default=5.0)
+    s.add_argument("--log-level", default="WARNING")
+    s.set_defaults(func=_run_stat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except ShmTransportError as exc:
+        print(f"shmtransport: {exc}", file=sys.stderr)
+        return 1
