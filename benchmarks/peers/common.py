@@ -1,0 +1,355 @@
+"""The process harness shared by every transport peer.
+
+One timed iteration (``Session.iteration``) = the producer starts the handoff -> the consumer has the
+bytes (or a view) -> the consumer acks -> the producer has the ack. Outside that span the consumer
+hashes what it actually got (xxh3_64 of the whole payload against the digest sent at setup) and
+reports a flag; only then do both sides drop their references (unlink / release).
+
+Wire between the halves: one duplex ``multiprocessing.Pipe`` per peer, carrying small tuples:
+
+    producer -> consumer   ("setup", nbytes, digest)  ("xfer", descriptor)  ("check", corrupt)  ("stop",)
+    consumer -> producer   ("ready", pid)  ("ok",)  ("ack",)  ("flag", bool)  ("bye",)  ("error", traceback)
+
+Descriptor-passing peers send their names/handles as the ``xfer`` descriptor; peers whose data
+travels on another channel (gRPC, a torch queue) hand the received object over via ``Consumer.take``.
+Every blocking wait has a timeout; a consumer exception comes back as ``("error", traceback)`` and is
+re-raised in the producer as ``PeerError``.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import xxhash
+
+CTX = mp.get_context("spawn")
+START_TIMEOUT_S = 90.0  # child interpreter start + imports (torch is slow on 2 cores)
+REPLY_TIMEOUT_S = 120.0  # one 256 MiB gRPC-inline transfer is ~1 s; leave a wide margin
+JOIN_TIMEOUT_S = 10.0
+IDLE_POLL_S = 1.0  # consumer wakes this often to notice a dead parent
+IDLE_LIMIT_S = 900.0  # a consumer that hears nothing for this long exits
+
+CORRUPT_MODES = (None, "sender", "receiver")
+
+
+class PeerError(RuntimeError):
+    """A consumer child failed; the message carries its traceback."""
+
+
+def digest_of(data: Any) -> int:
+    return xxhash.xxh3_64_intdigest(as_u8(data))
+
+
+def as_u8(data: Any) -> np.ndarray:
+    """A flat uint8 view of any contiguous buffer (bytes, bytearray, memoryview, ndarray)."""
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def corrupted(data: Any) -> np.ndarray:
+    """A copy of ``data`` with one byte flipped (an empty buffer becomes one byte) — the test hook."""
+    arr = as_u8(data)
+    if arr.size == 0:
+        return np.ones(1, dtype=np.uint8)
+    out = arr.copy()
+    out[out.size // 2] ^= 0xFF
+    return out
+
+
+def verify(data: Any, digest: int, corrupt: bool = False) -> bool:
+    arr = as_u8(data)
+    if corrupt:
+        arr = corrupted(arr)
+    return xxhash.xxh3_64_intdigest(arr) == digest
+
+
+def seeded_payload(nbytes: int, seed: int = 0) -> np.ndarray:
+    """A writable, seeded uint8 array of ``nbytes``."""
+    rng = np.random.default_rng(seed + nbytes)
+    return np.frombuffer(bytearray(rng.bytes(nbytes)), dtype=np.uint8)
+
+
+def wait_reply(conn, timeout_s: float, who: str):
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"{who}: no reply within {timeout_s:.0f} s")
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise PeerError(f"{who}: child exited without replying") from None
+    if msg[0] == "error":
+        raise PeerError(f"{who} child failed:\n{msg[1]}")
+    return msg
+
+
+class Channel:
+    """Producer end of the descriptor pipe."""
+
+    def __init__(self, conn, who: str):
+        self.conn = conn
+        self.who = who
+
+    def send(self, msg: tuple) -> None:
+        self.conn.send(msg)
+
+    def recv(self, expect: str, timeout_s: float = REPLY_TIMEOUT_S):
+        msg = wait_reply(self.conn, timeout_s, self.who)
+        if msg[0] != expect:
+            raise PeerError(f"{self.who}: expected {expect!r}, got {msg!r}")
+        return msg
+
+    def handoff(self, descriptor: Any) -> None:
+        """The timed hop: send the descriptor, wait for the consumer's ack."""
+        self.conn.send(("xfer", descriptor))
+        self.recv("ack")
+
+
+class ProducerBase:
+    """Producer half of a peer. Subclasses override what they need."""
+
+    name = "?"
+    consumer_class: str | None = "Consumer"  # attribute of the same module; None = single process
+
+    def __init__(self, workdir: str, **options: Any):
+        self.workdir = workdir
+        self.options = options
+        self.chan: Channel | None = None
+
+    corrupt_send = False  # set by the harness for the iteration that passes a corrupted payload
+
+    def expected_digest(self, digest: int) -> int:
+        """The digest the consumer should see, given the payload's (a peer that sends nothing differs)."""
+        return digest
+
+    def consumer_kwargs(self) -> dict[str, Any]:
+        """Picklable arguments for the consumer's constructor (passed at spawn)."""
+        return {}
+
+    def connect(self) -> None:
+        """After the consumer said ready (e.g. open a gRPC channel)."""
+
+    def setup(self, nbytes: int) -> None:
+        """Untimed, once per size."""
+
+    def transfer(self, payload: np.ndarray) -> float:
+        """The timed handoff, ack included. Returns seconds to exclude from the span (default 0)."""
+        raise NotImplementedError
+
+    def check_local(self, digest: int, corrupt: bool) -> bool:
+        """Single-process peers only: the correctness check on what the transfer produced."""
+        raise NotImplementedError
+
+    def after_ack(self) -> None:
+        """Untimed, after the consumer checked: drop references, unlink, release."""
+
+    def teardown(self) -> None:
+        """Idempotent."""
+
+
+class ConsumerBase:
+    """Consumer half of a peer (lives in the spawned child)."""
+
+    def __init__(self, **kwargs: Any):
+        self.kwargs = kwargs
+
+    def setup(self, nbytes: int) -> None:
+        pass
+
+    def receive(self, descriptor: Any) -> Any:
+        """Timed: turn a descriptor into bytes or a view; return it (a contiguous buffer)."""
+        raise NotImplementedError(f"{type(self).__name__} receives on its own channel")
+
+    def take(self) -> Any:
+        """Untimed: the data received on the peer's own channel since the last check."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Untimed, after the check."""
+
+    def teardown(self) -> None:
+        pass
+
+
+def consumer_main(module_name: str, class_name: str, kwargs: dict[str, Any], conn) -> None:
+    """Entry point of every consumer child."""
+    consumer = None
+    try:
+        module = importlib.import_module(module_name)
+        consumer = getattr(module, class_name)(**kwargs)
+        conn.send(("ready", os.getpid()))
+        parent = mp.parent_process()
+        digest = 0
+        pending: Any = None
+        idle_s = 0.0
+        while True:
+            if not conn.poll(IDLE_POLL_S):
+                idle_s += IDLE_POLL_S
+                if (parent is not None and not parent.is_alive()) or idle_s > IDLE_LIMIT_S:
+                    return
+                continue
+            idle_s = 0.0
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "xfer":
+                pending = consumer.receive(msg[1])
+                conn.send(("ack",))
+            elif kind == "check":
+                data = pending if pending is not None else consumer.take()
+                pending = None
+                ok = verify(data, digest, corrupt=bool(msg[1]))
+                del data
+                consumer.release()
+                conn.send(("flag", ok))
+            elif kind == "setup":
+                _, nbytes, digest = msg
+                consumer.setup(nbytes)
+                conn.send(("ok",))
+            elif kind == "stop":
+                pending = None
+                consumer.teardown()
+                consumer = None
+                conn.send(("bye",))
+                return
+            else:
+                raise ValueError(f"unknown message {msg!r}")
+    except BaseException:  # noqa: BLE001 — everything goes back to the producer
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        if consumer is not None:
+            try:
+                consumer.teardown()
+            except Exception:  # noqa: BLE001
+                pass
+        conn.close()
+
+
+def stop_process(proc, conn, who: str) -> None:
+    """Ask a child to stop, join it with a timeout, escalate if needed."""
+    try:
+        if conn is not None and proc.is_alive():
+            conn.send(("stop",))
+            try:
+                wait_reply(conn, JOIN_TIMEOUT_S, who)
+            except (TimeoutError, PeerError, EOFError, OSError):
+                pass
+    except (BrokenPipeError, OSError):
+        pass
+    proc.join(JOIN_TIMEOUT_S)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(JOIN_TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(JOIN_TIMEOUT_S)
+    if conn is not None:
+        conn.close()
+
+
+class Session:
+    """One peer: its producer object here, its consumer in a spawned child."""
+
+    def __init__(self, peer: str, **options: Any):
+        self.peer_name = peer
+        self.module_name = f"peers.{peer}"
+        module = importlib.import_module(self.module_name)
+        self.workdir = tempfile.mkdtemp(prefix=f"stb-{peer[:8]}-")
+        self.producer: ProducerBase = module.Producer(self.workdir, **options)
+        self.proc = None
+        self.conn = None
+        self.digest = 0
+        self.consumer_pid: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.producer.name
+
+    def start(self) -> "Session":
+        try:
+            cls = self.producer.consumer_class
+            if cls is not None:
+                parent, child = CTX.Pipe(duplex=True)
+                self.proc = CTX.Process(target=consumer_main, name=f"consumer-{self.peer_name}",
+                                        args=(self.module_name, cls, self.producer.consumer_kwargs(), child),
+                                        daemon=True)
+                self.conn = parent
+                try:
+                    self.proc.start()
+                except BaseException:
+                    self.proc = None
+                    raise
+                finally:
+                    child.close()
+                _, self.consumer_pid = wait_reply(parent, START_TIMEOUT_S, f"{self.peer_name} consumer")
+                self.producer.chan = Channel(parent, f"{self.peer_name} consumer")
+            self.producer.connect()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def prepare(self, nbytes: int, digest: int) -> None:
+        self.digest = digest = self.producer.expected_digest(digest)
+        self.producer.setup(nbytes)
+        if self.producer.chan is not None:
+            self.producer.chan.send(("setup", nbytes, digest))
+            self.producer.chan.recv("ok")
+
+    def iteration(self, payload: np.ndarray, corrupt: str | None = None) -> tuple[float, bool]:
+        """One timed handoff, then the untimed check. ``corrupt``: None | "sender" | "receiver"."""
+        if corrupt not in CORRUPT_MODES:
+            raise ValueError(f"corrupt must be one of {CORRUPT_MODES}")
+        src = corrupted(payload) if corrupt == "sender" else payload
+        self.producer.corrupt_send = corrupt == "sender"
+        start = time.perf_counter()
+        excluded = self.producer.transfer(src) or 0.0
+        elapsed = time.perf_counter() - start - excluded
+        if self.producer.chan is None:
+            ok = self.producer.check_local(self.digest, corrupt == "receiver")
+        else:
+            self.producer.chan.send(("check", corrupt == "receiver"))
+            ok = bool(self.producer.chan.recv("flag")[1])
+        self.producer.after_ack()
+        return elapsed, ok
+
+    def close(self) -> None:
+        try:
+            self.producer.teardown()
+        finally:
+            if self.proc is not None:
+                stop_process(self.proc, self.conn, f"{self.peer_name} consumer")
+                self.proc = None
+                self.conn = None
+            if self.conn is not None:
+                self.conn.close()
+                self.conn = None
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "Session":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def rss_kib(pid: int) -> dict[str, int]:
+    """VmRSS and its split (RssAnon/RssFile/RssShmem), KiB, from /proc/<pid>/status."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(rest.split()[0])
+    except OSError:
+        pass
+    return out

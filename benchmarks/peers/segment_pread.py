@@ -1,0 +1,100 @@
+"""``segment_pread``: SMG's worker style — one fresh /dev/shm file per tensor, read with pread.
+
+Producer (gateway side): ``os.open(O_CREAT|O_EXCL, 0600)`` + ``posix_fallocate`` (reserve before
+touching) + ``write``, close, send the name. Consumer (tokenspeed worker side): ``os.pread`` the whole
+file (copy 1, ``bytes``), copy again into a ``bytearray`` (copy 2, as SMG does), wrap it as a numpy
+array, ack; it unlinks the file after the check (untimed — kinder to the peer than SMG, which unlinks
+inside consume).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+
+import numpy as np
+
+from .common import ConsumerBase, ProducerBase
+
+SHM_DIR = "/dev/shm"
+PREFIX = "stbench_seg_"
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+class Producer(ProducerBase):
+    name = "segment_pread"
+
+    def __init__(self, workdir: str, **options):
+        super().__init__(workdir, **options)
+        self._tag = f"{PREFIX}{os.getpid()}_{secrets.token_hex(4)}_"
+        self._seq = itertools.count()
+        self._last: str | None = None
+
+    def transfer(self, payload: np.ndarray) -> float:
+        name = f"{self._tag}{next(self._seq)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._last = path
+        try:
+            os.posix_fallocate(fd, 0, payload.nbytes)
+            _write_all(fd, memoryview(payload).cast("B"))
+        finally:
+            os.close(fd)
+        self.chan.handoff((name, payload.nbytes))
+        return 0.0
+
+    def after_ack(self) -> None:
+        self._last = None  # the consumer unlinked it
+
+    def teardown(self) -> None:
+        if self._last is not None:  # a failed iteration: the consumer may not have unlinked
+            try:
+                os.unlink(self._last)
+            except FileNotFoundError:
+                pass
+            self._last = None
+
+
+class Consumer(ConsumerBase):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._path: str | None = None
+
+    def receive(self, descriptor) -> np.ndarray:
+        name, nbytes = descriptor
+        if "/" in name or not name.startswith(PREFIX):
+            raise ValueError(f"refusing segment name {name!r}")
+        self._path = os.path.join(SHM_DIR, name)
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            chunks = []
+            got = 0
+            while got < nbytes:  # pread may return short reads for very large files
+                chunk = os.pread(fd, nbytes - got, got)
+                if not chunk:
+                    raise EOFError(f"{name}: {got} of {nbytes} bytes")
+                chunks.append(chunk)
+                got += len(chunk)
+        finally:
+            os.close(fd)
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        buf = bytearray(raw)  # SMG's second copy
+        del raw, chunks
+        return np.frombuffer(buf, dtype=np.uint8)
+
+    def release(self) -> None:
+        if self._path is not None:
+            path, self._path = self._path, None
+            os.unlink(path)
+
+    def teardown(self) -> None:
+        if self._path is not None:
+            try:
+                self.release()
+            except FileNotFoundError:
+                pass
