@@ -227,7 +227,7 @@ class Loan(_View):
     def release(self) -> None:
         """Give the loan back without committing (or drop the producer reference after commit)."""
         if not self._released:
-            self._client._release_views([self], [])
+            self._client._release_views([self])
 
     def __repr__(self) -> str:
         return f"Loan({self.handle!r}, {'released' if self._released else 'live'})"
@@ -249,18 +249,31 @@ class Lease(_View):
 
     def release(self) -> None:
         if not self._released:
-            self._client._release_views([], [self])
+            self._client._release_views([self])
 
     def __repr__(self) -> str:
         return f"Lease(id={self.lease_id}, {self.handle!r}, {'released' if self._released else 'live'})"
 
 
 class _Client:
-    _writable = False
+    """Shared by Producer and Consumer: the connection, and releases that cost no round trip.
 
-    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0):
+    A release is queued and sent with this client's next Loan/Commit/Acquire (piggybacked), or on
+    its own after ``release_delay_s`` if no call comes first, or at once with ``flush()``. A release
+    whose views are still held by the caller waits until they are dropped.
+    """
+
+    _writable = False
+    MAX_QUEUED_RELEASES = 256
+
+    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0, release_delay_s: float = 0.02):
         self._conn = _Connection(socket_path or default_socket_path(), timeout_s, self._writable)
-        self._deferred: list[tuple[list[Loan], list[Lease]]] = []
+        self._release_delay_s = release_delay_s
+        self._lock = threading.RLock()
+        self._deferred: list[_View] = []  # released by the caller, views still alive
+        self._queued_handles: list[pb.Handle] = []
+        self._queued_leases: list[int] = []
+        self._timer: threading.Timer | None = None
         self._closed = False
         self._conn.ensure()
 
@@ -273,17 +286,46 @@ class _Client:
         return self._conn.instance_id
 
     def stat(self) -> pb.StatResponse:
+        self.flush()
         return self._call("Stat", pb.StatRequest())
 
+    def flush(self) -> None:
+        """Send every queued release now (one RPC); daemon-side errors raise here."""
+        with self._lock:
+            request = self._take_queued()
+        if request is not None:
+            self._call("Release", request)
+
+    # -- internals -------------------------------------------------------------------------------
     def _call(self, method: str, request):
         self._before_call(method)
+        if method != "Release":
+            self._piggyback(request)
         return self._conn.call(method, request)
 
     def _before_call(self, method: str) -> None:
         if self._closed:
             raise ClosedError(f"{type(self).__name__} is closed")
         if self._deferred:
-            self._flush_deferred()
+            self._requeue_deferred(force=False)
+
+    def _piggyback(self, request) -> None:
+        if not hasattr(request, "release"):
+            return
+        with self._lock:
+            queued = self._take_queued()
+        if queued is not None:
+            request.release.CopyFrom(queued)
+
+    def _take_queued(self) -> pb.ReleaseRequest | None:
+        if not self._queued_handles and not self._queued_leases:
+            return None
+        request = pb.ReleaseRequest(handles=self._queued_handles, lease_ids=self._queued_leases)
+        self._queued_handles, self._queued_leases = [], []
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        return request
 
     def _memory(self, shm: pb.Handle) -> memoryview:
         mapping = self._conn.mapping
@@ -291,43 +333,78 @@ class _Client:
             raise Unavailable(f"handle of segment {shm.name!r} is not this daemon's arena", Reason.INSTANCE_MISMATCH)
         return mapping.view(shm.offset, shm.nbytes)
 
-    def _release_views(self, loans: list[Loan], leases: list[Lease]) -> None:
-        """Release now, or once no caller-held view remains (so the bytes are never reused under it)."""
-        for view in (*loans, *leases):
-            view._detach_views()
-        if any(view._views_alive() for view in (*loans, *leases)):
-            self._deferred.append((loans, leases))
-            return
-        self._send_release(loans, leases)
+    def _release_views(self, views: Sequence[_View]) -> None:
+        """Queue the release, or defer it while the caller still holds a view of the bytes."""
+        with self._lock:
+            for view in views:
+                view._detach_views()
+                if view._views_alive():
+                    self._deferred.append(view)
+                else:
+                    self._queue(view)
+            self._schedule_flush()
 
-    def _send_release(self, loans: list[Loan], leases: list[Lease]) -> None:
-        request = pb.ReleaseRequest(
-            handles=[loan.handle.shm for loan in loans], lease_ids=[lease.lease_id for lease in leases]
-        )
-        self._conn.call("Release", request)
+    def _queue(self, view: _View) -> None:
+        if isinstance(view, Lease):
+            self._queued_leases.append(view.lease_id)
+        else:
+            self._queued_handles.append(view.handle.shm)
 
-    def _flush_deferred(self, force: bool = False) -> None:
-        pending, self._deferred = self._deferred, []
-        for loans, leases in pending:
-            if not force and any(view._views_alive() for view in (*loans, *leases)):
-                self._deferred.append((loans, leases))
-                continue
-            if force and any(view._views_alive() for view in (*loans, *leases)):
-                warnings.warn("releasing shared memory while views of it are still alive", ResourceWarning, 2)
-            try:
-                self._send_release(loans, leases)
-            except Unavailable:
-                pass  # the daemon is gone: it holds nothing of ours any more
+    def _queue_handles(self, handles: Iterable[pb.Handle]) -> None:
+        with self._lock:
+            self._queued_handles.extend(handles)
+            self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if len(self._queued_handles) + len(self._queued_leases) >= self.MAX_QUEUED_RELEASES:
+            threading.Thread(target=self._flush_quietly, daemon=True).start()
+        elif (self._queued_handles or self._queued_leases or self._deferred) and self._timer is None:
+            self._timer = threading.Timer(self._release_delay_s, self._flush_quietly)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _flush_quietly(self) -> None:
+        """Timer path: nobody is there to catch an error, so log it."""
+        with self._lock:
+            self._timer = None
+            if self._closed:
+                return
+            if self._deferred:
+                self._requeue_deferred(force=False)
+        try:
+            self.flush()
+        except Unavailable:
+            pass  # the daemon is gone, and with it everything this client held
+        except Exception:
+            _log.exception("background release failed")
+
+    def _requeue_deferred(self, force: bool) -> None:
+        with self._lock:
+            still, self._deferred = self._deferred, []
+            for view in still:
+                if view._views_alive() and not force:
+                    self._deferred.append(view)
+                    continue
+                if view._views_alive():
+                    warnings.warn(f"releasing {view!r} while a view of it is still alive", ResourceWarning, 2)
+                self._queue(view)
+            self._schedule_flush()
 
     def close(self) -> None:
-        """Release what is still deferred and end the session (the daemon reclaims the rest)."""
+        """Send what is queued (deferred ones too) and end the session; the daemon reclaims the rest."""
         if self._closed:
             return
         try:
-            if self._deferred:
-                self._flush_deferred(force=True)
+            self._requeue_deferred(force=True)
+            self.flush()
+        except Unavailable:
+            pass
         finally:
-            self._closed = True
+            with self._lock:
+                self._closed = True
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
             self._conn.disconnect()
 
     def __enter__(self):
@@ -344,6 +421,19 @@ class _Client:
 class Producer(_Client):
     _writable = True
 
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        timeout_s: float = 10.0,
+        release_delay_s: float = 0.02,
+        alloc_wait_s: float = 1.0,
+    ):
+        """``alloc_wait_s``: how long a loan waits for space when the arena is full (back-pressure)
+        before ResourceExhausted; 0 fails at once."""
+        self._pending_commits: list[grpc.Future] = []
+        self.alloc_wait_s = alloc_wait_s
+        super().__init__(socket_path, timeout_s, release_delay_s)
+
     def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None) -> Loan:
         """Writable shared memory for one tensor: ``loan(nbytes)`` (uint8) or ``loan(shape=, dtype=)``."""
         return self.loan_many([(nbytes, shape, dtype)])[0]
@@ -351,15 +441,14 @@ class Producer(_Client):
     def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]]) -> list[Loan]:
         """Loans for every ``(nbytes, shape, dtype)`` in one RPC (all or nothing)."""
         typed = [_loan_spec(*spec) for spec in specs]
-        response = self._call("Loan", pb.LoanRequest(nbytes=[max(nbytes, 1) for _, _, nbytes in typed]))
+        request = pb.LoanRequest(
+            nbytes=[max(nbytes, 1) for _, _, nbytes in typed], wait_ms=int(self.alloc_wait_s * 1000)
+        )
+        response = self._call("Loan", request)
         return [
             Loan(self, Handle(shm, dt, shape), self._memory(shm)[:nbytes])
             for shm, (dt, shape, nbytes) in zip(response.handles, typed)
         ]
-
-    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0):
-        self._pending_commits: list[grpc.Future] = []
-        super().__init__(socket_path, timeout_s)
 
     def commit_many(
         self, loans: Sequence[Loan], hash: bool = False, hold_ms: int = 0, wait: bool = False
@@ -377,7 +466,10 @@ class Producer(_Client):
                 loan.handle.digest = kernels.tree_digest(loan._memory)
         self._before_call("Commit")
         request = pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms)
-        self._pending_commits.append(self._conn.call_future("Commit", request))
+        self._piggyback(request)
+        future = self._conn.call_future("Commit", request)
+        with self._lock:
+            self._pending_commits.append(future)
         if wait:
             self._settle_commits(block=True)
         return [loan.handle for loan in loans]
@@ -387,18 +479,25 @@ class Producer(_Client):
         # A release must not overtake the commit of the same object.
         self._settle_commits(block=method == "Release")
 
+    def _piggyback(self, request) -> None:
+        # A queued release must not overtake the commit of the same object.
+        if self._queued_handles:
+            self._settle_commits(block=True)
+        super()._piggyback(request)
+
     def _settle_commits(self, block: bool) -> None:
         """Raise the first failure among sent commits; wait for all of them when ``block``."""
-        pending, self._pending_commits = self._pending_commits, []
-        failure = None
-        for future in pending:
-            if not block and not future.done():
-                self._pending_commits.append(future)
-                continue
-            try:
-                future.result()
-            except grpc.RpcError as err:
-                failure = failure or self._conn.typed(err)
+        with self._lock:
+            pending, self._pending_commits = self._pending_commits, []
+            failure = None
+            for future in pending:
+                if not block and not future.done():
+                    self._pending_commits.append(future)
+                    continue
+                try:
+                    future.result()
+                except grpc.RpcError as err:
+                    failure = failure or self._conn.typed(err)
         if failure is not None:
             raise failure
 
@@ -427,16 +526,25 @@ class Producer(_Client):
                     kernels.copy(loan._memory, src)
             handles = self.commit_many(loans, hash=False, hold_ms=hold_ms)
         except BaseException:
-            self._release_views(loans, [])
+            self._release_views(loans)
             raise
         for loan in loans:
             loan._detach_views()  # the producer keeps its reference through the handle, not the loan
         return handles
 
-    def release(self, handles: Handle | Iterable[Handle]) -> None:
-        """Drop this producer's reference(s); bytes are freed once every consumer released too."""
+    def release(self, handles: Handle | Iterable[Handle], wait: bool = False) -> None:
+        """Drop this producer's reference(s); bytes are freed once every consumer released too.
+
+        Queued and piggybacked like every release; ``wait=True`` sends it now and raises the
+        daemon's verdict (e.g. a handle released twice)."""
         handles = [handles] if isinstance(handles, Handle) else list(handles)
-        self._call("Release", pb.ReleaseRequest(handles=[h.shm for h in handles]))
+        if self._closed:
+            raise ClosedError("Producer is closed")
+        if wait:
+            self.flush()
+            self._call("Release", pb.ReleaseRequest(handles=[h.shm for h in handles]))
+        else:
+            self._queue_handles(h.shm for h in handles)
 
 
 class Consumer(_Client):
@@ -459,10 +567,13 @@ class Consumer(_Client):
         response = self._call("Acquire", pb.AcquireRequest(handles=[h.shm for h in handles], ttl_ms=ttl_ms))
         return [Lease(self, h, self._memory(h.shm), lease_id) for h, lease_id in zip(handles, response.lease_ids)]
 
-    def release_many(self, leases: Sequence[Lease]) -> None:
+    def release_many(self, leases: Sequence[Lease], wait: bool = False) -> None:
+        """Release leases (queued and piggybacked; ``wait=True`` sends them now)."""
         live = [lease for lease in leases if not lease._released]
         if live:
-            self._release_views([], live)
+            self._release_views(live)
+        if wait:
+            self.flush()
 
 
 def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> tuple[str, tuple[int, ...], int]:

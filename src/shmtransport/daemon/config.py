@@ -48,6 +48,7 @@ class DaemonConfig:
     max_lease_ttl_ms: int = 3_600_000
     default_hold_ms: int = 0
     commit_wait_s: float = 2.0  # how long Acquire waits for a commit still in flight
+    max_alloc_wait_ms: int = 10_000  # cap on a Loan's back-pressure wait for free space
     page_align_min_nbytes: int = 64 * 1024
     metrics_port: int | None = None
     grpc_workers: int = 8

@@ -91,6 +91,7 @@ class Registry:
         self.limits = limits
         self._lock = threading.Lock()
         self._committed = threading.Condition(self._lock)  # notified on every commit
+        self._freed = threading.Condition(self._lock)  # notified whenever bytes are freed
         self._objects: dict[int, Allocation] = {}  # offset -> allocation
         self._leases: dict[int, Lease] = {}
         self._sessions: dict[str, Session] = {}
@@ -131,7 +132,9 @@ class Registry:
                 self.counters["reclaimed_death_nbytes"] += self._drop_producer_ref(self._objects[offset], session)
 
     # -- producer side ---------------------------------------------------------------------------
-    def loan(self, session_id: str, sizes: Iterable[int]) -> list[pb.Handle]:
+    def loan(self, session_id: str, sizes: Iterable[int], wait_s: float = 0.0) -> list[pb.Handle]:
+        """Allocate every size (all or nothing). When the arena is full, wait up to ``wait_s`` for
+        other clients to free space (back-pressure) before refusing with ARENA_FULL."""
         sizes = list(sizes)
         self._check_batch(sizes, "nbytes")
         for nbytes in sizes:
@@ -147,15 +150,21 @@ class Registry:
                     f"quota {self.limits.quota_nbytes}",
                     Reason.QUOTA_EXCEEDED,
                 )
-            offsets: list[int] = []
-            try:
-                for nbytes in sizes:
-                    offsets.append(self.allocator.allocate(nbytes))
-            except ResourceExhausted:
-                for offset in offsets:
-                    self.allocator.free(offset)
-                self.counters["allocation_failures"] += 1
-                raise
+            deadline = time.monotonic() + wait_s
+            while True:
+                offsets: list[int] = []
+                try:
+                    for nbytes in sizes:
+                        offsets.append(self.allocator.allocate(nbytes))
+                    break
+                except ResourceExhausted:
+                    for offset in offsets:
+                        self.allocator.free(offset)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or total > self.allocator.nbytes:
+                        self.counters["allocation_failures"] += 1
+                        raise
+                    self._freed.wait(remaining)
             now = time.monotonic()
             handles = []
             for offset, nbytes in zip(offsets, sizes):
@@ -235,11 +244,21 @@ class Registry:
             return lease_ids
 
     # -- both ------------------------------------------------------------------------------------
-    def release(self, session_id: str, handles: Iterable[pb.Handle], lease_ids: Iterable[int]) -> None:
+    def release(
+        self, session_id: str, handles: Iterable[pb.Handle], lease_ids: Iterable[int], piggybacked: bool = False
+    ) -> None:
+        """Drop producer references and leases, all or nothing. ``piggybacked`` releases (sent
+        lazily with another call) skip entries that are already gone instead of failing."""
         handles, lease_ids = list(handles), list(lease_ids)
-        self._check_batch(handles + lease_ids, "handles + lease_ids")
+        if piggybacked:
+            if not handles and not lease_ids:
+                return
+        else:
+            self._check_batch(handles + lease_ids, "handles + lease_ids")
         with self._lock:
             session = self._live_session(session_id)
+            if piggybacked:
+                handles, lease_ids = self._still_held(session, handles, lease_ids)
             objs = [self._resolve(h) for h in handles]
             for obj in objs:
                 if obj.owner != session_id:
@@ -262,6 +281,18 @@ class Registry:
                 self._drop_producer_ref(obj, session)
             for lease in leases:
                 self._drop_lease(lease, session)
+
+    def _still_held(
+        self, session: Session, handles: list[pb.Handle], lease_ids: list[int]
+    ) -> tuple[list[pb.Handle], list[int]]:
+        held = [
+            h
+            for h in handles
+            if h.instance_id == self.instance_id
+            and h.offset in session.producer_refs
+            and self._objects[h.offset].generation == h.generation
+        ]
+        return held, [lease_id for lease_id in lease_ids if lease_id in session.leases]
 
     def expire(self, now: float | None = None) -> None:
         """Drop leases and holds whose deadline passed (the sweeper thread calls this)."""
@@ -400,4 +431,5 @@ class Registry:
             return 0
         del self._objects[obj.offset]
         self.allocator.free(obj.offset)
+        self._freed.notify_all()
         return obj.nbytes

@@ -50,6 +50,12 @@ def _typed_errors(method: Callable) -> Callable:
     return wrapper
 
 
+def _bounded_wait(wait_s: float, context) -> float:
+    """A wait that ends before the caller's deadline, so it gets our typed error, not a timeout."""
+    remaining = context.time_remaining()
+    return wait_s if remaining is None else min(wait_s, max(0.0, remaining - 0.05))
+
+
 class _Servicer(pb_grpc.DaemonServicer):
     def __init__(self, daemon: "Daemon"):
         self._daemon = daemon
@@ -69,23 +75,32 @@ class _Servicer(pb_grpc.DaemonServicer):
         self._session_id(context)
         return self._daemon.arena_info
 
+    def _piggybacked_release(self, session_id: str, request) -> None:
+        if request.HasField("release"):
+            r = request.release
+            self._registry.release(session_id, r.handles, r.lease_ids, piggybacked=True)
+
     @_typed_errors
     def Loan(self, request, context):
-        handles = self._registry.loan(self._session_id(context), request.nbytes)
+        session_id = self._session_id(context)
+        self._piggybacked_release(session_id, request)
+        wait_s = _bounded_wait(min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000, context)
+        handles = self._registry.loan(session_id, request.nbytes, wait_s)
         return pb.LoanResponse(handles=handles)
 
     @_typed_errors
     def Commit(self, request, context):
-        self._registry.commit(self._session_id(context), request.handles, request.hold_ms)
+        session_id = self._session_id(context)
+        self._piggybacked_release(session_id, request)
+        self._registry.commit(session_id, request.handles, request.hold_ms)
         return pb.CommitResponse()
 
     @_typed_errors
     def Acquire(self, request, context):
-        wait_s = self._daemon.config.commit_wait_s
-        remaining = context.time_remaining()
-        if remaining is not None:  # answer before the caller's deadline with a typed error
-            wait_s = min(wait_s, max(0.0, remaining - 0.05))
-        lease_ids = self._registry.acquire(self._session_id(context), request.handles, request.ttl_ms, wait_s)
+        wait_s = _bounded_wait(self._daemon.config.commit_wait_s, context)
+        session_id = self._session_id(context)
+        self._piggybacked_release(session_id, request)
+        lease_ids = self._registry.acquire(session_id, request.handles, request.ttl_ms, wait_s)
         return pb.AcquireResponse(lease_ids=lease_ids)
 
     @_typed_errors

@@ -47,10 +47,14 @@ class ArenaInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., segment_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm_namespace: _Optional[str] = ...) -> None: ...
 
 class LoanRequest(_message.Message):
-    __slots__ = ("nbytes",)
+    __slots__ = ("nbytes", "wait_ms", "release")
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     nbytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    wait_ms: int
+    release: ReleaseRequest
+    def __init__(self, nbytes: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class LoanResponse(_message.Message):
     __slots__ = ("handles",)
@@ -59,24 +63,28 @@ class LoanResponse(_message.Message):
     def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("handles", "hold_ms")
+    __slots__ = ("handles", "hold_ms", "release")
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     handles: _containers.RepeatedCompositeFieldContainer[Handle]
     hold_ms: int
-    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+    release: ReleaseRequest
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., hold_ms: _Optional[int] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("handles", "ttl_ms")
+    __slots__ = ("handles", "ttl_ms", "release")
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     handles: _containers.RepeatedCompositeFieldContainer[Handle]
     ttl_ms: int
-    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    release: ReleaseRequest
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., ttl_ms: _Optional[int] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_ids",)
