@@ -1,0 +1,97 @@
+/*
+ * shmt_kernels.h -- C kernels of shmtransport: XXH3-128 hashing (one-shot, streaming, fused
+ * copy+hash, chunked "tree" mode) and packed is_embed bit-mask kernels.
+ *
+ * Rules (DESIGN.md section 8): every kernel validates the sizes it is given and never reads or
+ * writes outside the buffers it is handed; no allocation, no threads, no syscalls in kernels.
+ * Threads, buffer allocation and the XXH3 streaming state belong to the Python wrapper
+ * (src/shmtransport/_native.py). The pure-Python module src/shmtransport/_purepy.py is the
+ * specification: every kernel here must give bit-identical results.
+ *
+ * Return convention: SHMT_OK (0) on success, a negative SHMT_E* code on a rejected argument.
+ * Counting kernels return the count (>= 0) or a negative error code.
+ *
+ * Tree mode (shmt_tree_leaves, shmt_copy_tree_leaves; the root is assembled by the wrapper):
+ *   if nbytes <= SHMT_TREE_CHUNK_NBYTES the digest is plain XXH3-128 of the bytes; otherwise
+ *   root = XXH3-128( "shmt-tree-v1\0" || u64le(SHMT_TREE_CHUNK_NBYTES) || u64le(nbytes)
+ *                    || leaf_0 || leaf_1 || ... )
+ *   where leaf_i = canonical (big-endian) XXH3-128 of chunk i = bytes [i*C, min((i+1)*C, nbytes)).
+ *
+ * Bit masks: packed bits, MSB-first within each byte (numpy.packbits default bitorder="big").
+ * Bit i lives in byte i/8 at bit position 7 - i%8. Padding bits of the last byte are ignored on
+ * input and written as zero on output. A packed buffer must hold at least ceil(nbits/8) bytes;
+ * bytes beyond that are ignored.
+ */
+#ifndef SHMT_KERNELS_H
+#define SHMT_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef SHMT_HAVE_XXH3
+#define SHMT_HAVE_XXH3 1
+#endif
+
+#define SHMT_OK 0
+#define SHMT_EINVAL (-1)  /* a size or range argument is inconsistent */
+#define SHMT_ENOHASH (-2) /* built without XXH3: hashing kernels are unavailable */
+
+/* Tree-mode chunk size: 1 MiB. Part of the digest definition: changing it changes digests. */
+#define SHMT_TREE_CHUNK_NBYTES 1048576
+/* Sub-block size of the fused copy+hash: hashed (pulling it into L1/L2), then copied from cache. */
+#ifndef SHMT_FUSED_BLOCK_NBYTES
+#define SHMT_FUSED_BLOCK_NBYTES 65536
+#endif
+/* Copies at least this large use non-temporal stores (the destination is not read back soon). */
+#define SHMT_NT_MIN_NBYTES 262144
+
+/* Opaque XXH3 streaming state; created and freed by the caller (XXH3_createState/XXH3_freeState). */
+struct XXH3_state_s;
+
+/* 1 when the hashing kernels are built in, else 0 (they then return SHMT_ENOHASH). */
+int32_t shmt_have_xxh3(void);
+
+/* out[16] = canonical XXH3-128 (seed 0) of buf[0..nbytes). */
+int32_t shmt_xxh3_128(const uint8_t *buf, uint64_t nbytes, uint8_t *out, uint64_t out_nbytes);
+
+/* Streaming XXH3-128 on a caller-owned state. */
+int32_t shmt_xxh3_stream_reset(struct XXH3_state_s *state);
+int32_t shmt_xxh3_stream_update(struct XXH3_state_s *state, const uint8_t *buf, uint64_t nbytes);
+/* Fused: copies src to dst and feeds the src bytes into the state, sub-block by sub-block. */
+int32_t shmt_xxh3_stream_copy_update(struct XXH3_state_s *state, uint8_t *dst, uint64_t dst_nbytes,
+                                     const uint8_t *src, uint64_t src_nbytes);
+int32_t shmt_xxh3_stream_digest(struct XXH3_state_s *state, uint8_t *out, uint64_t out_nbytes);
+
+/* Leaves of tree mode: writes the digests of chunks [first, last) of buf (chunk size
+ * SHMT_TREE_CHUNK_NBYTES) to out[16*(i-first)]; out_nbytes must be >= 16*(last-first). */
+int32_t shmt_tree_leaves(const uint8_t *buf, uint64_t nbytes, uint64_t first, uint64_t last,
+                         uint8_t *out, uint64_t out_nbytes);
+/* Fused copy + tree leaves over the whole buffer: copies src to dst and writes the digest of every
+ * chunk to out (16 bytes each; out_nbytes >= 16*ceil(nbytes/chunk)). `state` is scratch. */
+int32_t shmt_copy_tree_leaves(struct XXH3_state_s *state, uint8_t *dst, uint64_t dst_nbytes,
+                              const uint8_t *src, uint64_t src_nbytes, uint8_t *out, uint64_t out_nbytes);
+
+/* Fastest copy we have: memcpy for small sizes, non-temporal stores for large ones. */
+int32_t shmt_copy(uint8_t *dst, uint64_t dst_nbytes, const uint8_t *src, uint64_t src_nbytes);
+
+/* Bit masks. `bools` holds one byte per bit (nonzero = set). */
+int32_t shmt_mask_pack(const uint8_t *bools, uint64_t nbits, uint8_t *out, uint64_t out_nbytes);
+int32_t shmt_mask_unpack(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
+                         uint8_t *out, uint64_t out_nbytes);
+int64_t shmt_mask_popcount(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits);
+/* Number of maximal runs of set bits. */
+int64_t shmt_mask_count_runs(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits);
+/* Positions of set bits; out_len must equal the popcount. */
+int32_t shmt_mask_indices(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
+                          int64_t *out, uint64_t out_len);
+/* (start, length) pairs of runs, flattened; out_len must equal 2 * count_runs. */
+int32_t shmt_mask_runs(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
+                       int64_t *out, uint64_t out_len);
+/* Inclusive cumulative sum; out_len must equal nbits. */
+int32_t shmt_mask_cumsum(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
+                         int64_t *out, uint64_t out_len);
+/* out[0] = #set in [0, start), out[1] = #set in [0, end); requires start <= end <= nbits. */
+int32_t shmt_mask_window(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
+                         uint64_t start, uint64_t end, int64_t *out, uint64_t out_len);
+
+#endif /* SHMT_KERNELS_H */

@@ -1,0 +1,207 @@
+"""is_embed masks (DESIGN.md section 5) and vLLM ``PlaceholderRange`` semantics over them.
+
+A placeholder ``(offset, length)`` spans the prompt positions of one item; ``is_embed`` marks the
+positions that receive encoder embeddings. On the wire the mask is packed bits + a bit count
+(MSB-first within each byte, ``np.packbits`` order); absent means every position is an embed.
+All heavy lifting is done by the backend kernels (``shmtransport._backend.kernels``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import numpy as np
+
+from ._backend import kernels
+from .errors import InvalidArgument
+
+__all__ = ["EmbedMask", "PlaceholderRange", "get_num_embeds", "embeds_cumsum", "extract_embeds_range",
+           "get_embeds_indices_in_range"]
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be an int, not bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+class EmbedMask:
+    """An immutable packed bit mask: ``packed`` holds exactly ceil(nbits/8) bytes, MSB-first.
+
+    Padding bits of the last byte are ignored on input and stored as zero, so ``packed`` is
+    canonical and equal masks compare (and hash) equal.
+    """
+
+    __slots__ = ("_packed", "_nbits", "_num_embeds")
+
+    def __init__(self, packed: Any, nbits: Any):
+        nbits = _int(nbits, "nbits")
+        if nbits < 0:
+            raise InvalidArgument(f"nbits must be >= 0, got {nbits}")
+        try:
+            raw = bytearray(memoryview(packed).cast("B"))
+        except TypeError:
+            raise InvalidArgument(f"packed must be a bytes-like buffer, got {type(packed).__name__}") from None
+        needed = (nbits + 7) // 8
+        if len(raw) != needed:
+            raise InvalidArgument(f"packed has {len(raw)} bytes but nbits={nbits} needs exactly {needed}")
+        if nbits % 8:
+            raw[-1] &= (0xFF << (8 - nbits % 8)) & 0xFF
+        self._packed = bytes(raw)
+        self._nbits = nbits
+        self._num_embeds: int | None = None
+
+    @classmethod
+    def from_bools(cls, bools: Any) -> "EmbedMask":
+        try:
+            packed = kernels.mask_pack(bools)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(str(exc)) from exc
+        return cls(packed, len(np.asarray(bools)))
+
+    @property
+    def packed(self) -> bytes:
+        return self._packed
+
+    @property
+    def nbits(self) -> int:
+        return self._nbits
+
+    def __len__(self) -> int:
+        return self._nbits
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EmbedMask):
+            return NotImplemented
+        return self._nbits == other._nbits and self._packed == other._packed
+
+    def __hash__(self) -> int:
+        return hash((self._nbits, self._packed))
+
+    def __repr__(self) -> str:
+        return f"EmbedMask(nbits={self._nbits}, num_embeds={self.num_embeds()})"
+
+    def to_bools(self) -> np.ndarray:
+        return kernels.mask_unpack(self._packed, self._nbits)
+
+    def num_embeds(self) -> int:
+        if self._num_embeds is None:
+            self._num_embeds = kernels.mask_popcount(self._packed, self._nbits)
+        return self._num_embeds
+
+    def indices(self) -> np.ndarray:
+        """Positions (relative to the placeholder) that are embeds, int64."""
+        return kernels.mask_indices(self._packed, self._nbits)
+
+    def runs(self) -> np.ndarray:
+        """(start, length) of each run of embeds, int64, shape (k, 2)."""
+        return kernels.mask_runs(self._packed, self._nbits)
+
+    def cumsum(self) -> np.ndarray:
+        """Inclusive cumulative sum, int64, length nbits (vLLM's ``embeds_cumsum``)."""
+        return kernels.mask_cumsum(self._packed, self._nbits)
+
+    def window(self, start: Any, end: Any) -> tuple[int, int]:
+        """(#embeds in [0, start), #embeds in [0, end)); requires 0 <= start <= end <= nbits."""
+        start, end = _window(self._nbits, start, end)
+        return kernels.mask_window(self._packed, self._nbits, start, end)
+
+
+def _window(length: int, start: Any, end: Any) -> tuple[int, int]:
+    start = _int(start, "start")
+    end = _int(end, "end")
+    if not 0 <= start <= length:
+        raise InvalidArgument(f"start={start} must be in [0, {length}]")
+    if not start <= end <= length:
+        raise InvalidArgument(f"end={end} must be in [start={start}, {length}]")
+    return start, end
+
+
+def _check_mask(length: int, is_embed: EmbedMask | None) -> None:
+    if is_embed is not None:
+        if not isinstance(is_embed, EmbedMask):
+            raise InvalidArgument(f"is_embed must be an EmbedMask or None, got {type(is_embed).__name__}")
+        if is_embed.nbits != length:
+            raise InvalidArgument(f"is_embed has {is_embed.nbits} bits but length is {length}")
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM PlaceholderRange semantics (vllm/multimodal/inputs.py). Indices given to
+# get_embeds_indices_in_range are relative to the placeholder; extract_embeds_range returns
+# absolute prompt positions.
+# ---------------------------------------------------------------------------------------------
+def get_num_embeds(length: int, is_embed: EmbedMask | None) -> int:
+    """``length`` when the mask is absent, else the number of set bits."""
+    length = _int(length, "length")
+    _check_mask(length, is_embed)
+    return length if is_embed is None else is_embed.num_embeds()
+
+
+def embeds_cumsum(length: int, is_embed: EmbedMask | None) -> np.ndarray | None:
+    """Inclusive cumulative sum of the mask; None when the mask is absent (as in vLLM)."""
+    _check_mask(_int(length, "length"), is_embed)
+    return None if is_embed is None else is_embed.cumsum()
+
+
+def extract_embeds_range(offset: int, length: int, is_embed: EmbedMask | None) -> list[tuple[int, int]]:
+    """INCLUSIVE absolute ``(start, end)`` runs of embeds; dense: ``[(offset, offset + length - 1)]``."""
+    offset = _int(offset, "offset")
+    length = _int(length, "length")
+    _check_mask(length, is_embed)
+    if is_embed is None:
+        return [(offset, offset + length - 1)]
+    return [(offset + int(s), offset + int(s) + int(n) - 1) for s, n in is_embed.runs().tolist()]
+
+
+def get_embeds_indices_in_range(length: int, is_embed: EmbedMask | None, start: Any, end: Any) -> tuple[int, int]:
+    """Encoder-output indices ``[a, b)`` of the embeds among placeholder positions ``[start, end)``.
+
+    Example: offset=2, length=5, is_embed=[F,T,F,T,T], (3, 5) -> (1, 3). Dense: (start, end).
+    Mirrors vLLM (``cumsum[start-1]`` or 0, ``cumsum[end-1]``) for 0 <= start <= end <= length;
+    unlike vLLM, end == 0 gives (0, 0) (vLLM would read ``cumsum[-1]``) and other values raise.
+    """
+    length = _int(length, "length")
+    _check_mask(length, is_embed)
+    start, end = _window(length, start, end)
+    if is_embed is None:
+        return start, end
+    return is_embed.window(start, end)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaceholderRange:
+    """vLLM's ``PlaceholderRange`` with a packed mask: prompt positions [offset, offset + length)."""
+
+    offset: int
+    length: int
+    is_embed: EmbedMask | None = None
+
+    def __post_init__(self) -> None:
+        offset = _int(self.offset, "offset")
+        length = _int(self.length, "length")
+        if offset < 0:
+            raise InvalidArgument(f"offset must be >= 0, got {offset}")
+        if length <= 0:
+            raise InvalidArgument(f"length must be > 0, got {length}")
+        _check_mask(length, self.is_embed)
+
+    @property
+    def num_embeds(self) -> int:
+        return get_num_embeds(self.length, self.is_embed)
+
+    def get_num_embeds(self) -> int:
+        return get_num_embeds(self.length, self.is_embed)
+
+    @property
+    def embeds_cumsum(self) -> np.ndarray | None:
+        return embeds_cumsum(self.length, self.is_embed)
+
+    def extract_embeds_range(self) -> list[tuple[int, int]]:
+        return extract_embeds_range(self.offset, self.length, self.is_embed)
+
+    def get_embeds_indices_in_range(self, start: int, end: int) -> tuple[int, int]:
+        return get_embeds_indices_in_range(self.length, self.is_embed, start, end)

@@ -1,0 +1,269 @@
+"""Content identity of one multimodal item (DESIGN.md section 4).
+
+An identity is ``"{scheme}:{hex}"``. For the ``xxh3-128`` and ``blake3`` schemes it is computed in
+two levels, so the producer can fuse hashing into its copy into shared memory and the worker can
+verify tensors in parallel:
+
+1. ``tensor_digest(scheme, buf)`` per tensor: xxh3-128 = tree-mode XXH3-128 of the bytes
+   (``kernels.tree_digest``: plain XXH3-128 up to ``TREE_CHUNK_NBYTES``, a chunked tree above);
+   blake3 = BLAKE3-256 of the bytes.
+2. ``combine(scheme, modality, entries)``: the scheme's hash (XXH3-128 / BLAKE3-256) over ::
+
+       b"shmtransport.identity.v1\\0" || framed(scheme) || framed(modality) || u64le(count)
+       || for each entry in sorted key order:
+            framed(key) || framed(dtype) || u64le(rank) || u64le(dim)*rank || u64le(nbytes) || digest
+
+   with ``framed(s) = u64le(len(utf8(s))) || utf8(s)``. Keys are sorted by code point (= UTF-8
+   byte order). Key, dtype and shape are all hashed, so items that differ only in those never
+   share an identity.
+
+The ``grpc-mm`` scheme is vLLM gRPC's identity of a preprocessed item: SHA-256 over the exact
+MessagePack bytes of its kwargs (``grpc_mm_identity``; recipe in reference/protocol-facts.md 1.6).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ._backend import kernels
+from .errors import InvalidArgument
+
+SCHEMES = ("xxh3-128", "blake3", "grpc-mm")
+DEFAULT_SCHEME = "xxh3-128"
+TENSOR_SCHEMES = ("xxh3-128", "blake3")  # the schemes computed from tensors (two-level)
+DIGEST_NBYTES = {"xxh3-128": 16, "blake3": 32}
+
+# vLLM's dtype names (str(torch.dtype) without "torch.") and their widths: the 13 dtypes vLLM's
+# gRPC server accepts for preprocessed tensors.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1,
+    "float16": 2, "bfloat16": 2, "uint16": 2, "int16": 2,
+    "float32": 4, "uint32": 4, "int32": 4,
+    "float64": 8, "uint64": 8, "int64": 8,
+}
+
+_DOMAIN = b"shmtransport.identity.v1\0"
+_GRPC_MM_DOMAIN = b"vllm.grpc.preprocessed-mm.v1"
+
+__all__ = [
+    "SCHEMES", "DEFAULT_SCHEME", "DTYPE_ITEMSIZE", "dtype_name", "tensor_digest", "combine",
+    "item_identity", "grpc_mm_identity", "cache_identifier", "validate_uuid",
+]
+
+
+def _u64(n: int) -> bytes:
+    return struct.pack("<Q", n)
+
+
+def _framed(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return _u64(len(raw)) + raw
+
+
+def _check_scheme(scheme: Any, allowed: Sequence[str] = TENSOR_SCHEMES) -> str:
+    if scheme not in allowed:
+        if scheme == "grpc-mm":
+            raise InvalidArgument("scheme 'grpc-mm' is computed over the msgpack payload: use grpc_mm_identity")
+        raise InvalidArgument(f"scheme must be one of {', '.join(allowed)}, got {scheme!r}")
+    return scheme
+
+
+def _check_modality(modality: Any) -> str:
+    if not isinstance(modality, str) or not modality:
+        raise InvalidArgument(f"modality must be a non-empty str, got {modality!r}")
+    return modality
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes
+# ---------------------------------------------------------------------------------------------
+def dtype_name(x: Any) -> str:
+    """vLLM's dtype name of an ndarray, numpy dtype, torch tensor or dtype, or a name string.
+
+    Only the 13 dtypes of ``DTYPE_ITEMSIZE`` are allowed; numpy dtypes must be native byte order.
+    """
+    if isinstance(x, str):
+        name = x[len("torch."):] if x.startswith("torch.") else x
+    elif isinstance(x, (np.ndarray, np.dtype)) or (isinstance(x, type) and issubclass(x, np.generic)):
+        dt = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
+        if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian and dt.itemsize > 1):
+            raise InvalidArgument(f"dtype {dt} is big-endian; identities are over little-endian bytes")
+        name = dt.name
+    else:
+        dt = getattr(x, "dtype", x)
+        text = str(dt)
+        if not text.startswith("torch."):
+            raise InvalidArgument(f"dtype: unsupported object {type(x).__name__}")
+        name = text[len("torch."):]
+    if name not in DTYPE_ITEMSIZE:
+        raise InvalidArgument(f"dtype {name!r} is not allowed; allowed: {', '.join(DTYPE_ITEMSIZE)}")
+    return name
+
+
+def _tensor_parts(key: str, value: Any) -> tuple[str, tuple[int, ...], memoryview]:
+    """(dtype name, shape, C-order bytes) of an ndarray, a torch tensor or a (dtype, shape, buffer)."""
+    if isinstance(value, tuple):
+        if len(value) != 3:
+            raise InvalidArgument(f"tensors[{key!r}]: a tuple must be (dtype_name, shape, buffer)")
+        name, shape, buf = value
+        name = dtype_name(name)
+        shape = _check_shape(key, shape)
+        try:
+            view = memoryview(buf)
+        except TypeError:
+            raise InvalidArgument(f"tensors[{key!r}]: {type(buf).__name__} is not a buffer") from None
+        if not view.c_contiguous:
+            raise InvalidArgument(f"tensors[{key!r}]: buffer must be C-contiguous")
+        return name, shape, view.cast("B")
+    if isinstance(value, np.ndarray):
+        name = dtype_name(value)
+        shape = tuple(int(d) for d in value.shape)  # np.ascontiguousarray would make 0-d arrays 1-d
+        arr = value if value.flags.c_contiguous else value.copy(order="C")
+        return name, shape, memoryview(arr.reshape(-1).view(np.uint8))
+    if type(value).__module__.startswith("torch"):
+        name = dtype_name(value)
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        shape = tuple(int(d) for d in t.shape)
+        t = t.contiguous().reshape(-1).view(__import__("torch").uint8)  # bfloat16 etc. as raw bytes
+        return name, shape, memoryview(t.numpy())
+    raise InvalidArgument(f"tensors[{key!r}] must be an ndarray, a torch.Tensor or (dtype, shape, buffer), "
+                          f"got {type(value).__name__}")
+
+
+def _check_shape(key: str, shape: Any) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError:
+        raise InvalidArgument(f"shape of {key!r} must be a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"shape of {key!r} has a negative dimension: {dims}")
+    return dims
+
+
+# ---------------------------------------------------------------------------------------------
+# Two-level identity
+# ---------------------------------------------------------------------------------------------
+def tensor_digest(scheme: str, buf: Any, threads: int | None = None) -> bytes:
+    """Per-tensor digest: tree-mode XXH3-128 (16 bytes) or BLAKE3 (32 bytes) of the raw bytes."""
+    _check_scheme(scheme)
+    if scheme == "xxh3-128":
+        try:
+            return kernels.tree_digest(buf, threads)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(str(exc)) from exc
+    import blake3
+
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise InvalidArgument(f"buf must support the buffer protocol, got {type(buf).__name__}") from None
+    if not view.c_contiguous:
+        raise InvalidArgument("buf must be C-contiguous")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+        raise InvalidArgument(f"threads must be an int or None, got {threads!r}")
+    max_threads = blake3.blake3.AUTO if threads is None else int(threads)
+    if max_threads != blake3.blake3.AUTO and max_threads < 1:
+        raise InvalidArgument(f"threads must be >= 1, got {threads}")
+    return blake3.blake3(view.cast("B"), max_threads=max_threads).digest()
+
+
+def combine(scheme: str, modality: str, entries: Iterable[tuple[str, str, Sequence[int], int, bytes]]) -> str:
+    """Item identity from per-tensor entries ``(key, dtype_name, shape, nbytes, digest)``."""
+    _check_scheme(scheme)
+    _check_modality(modality)
+    checked = []
+    seen: set[str] = set()
+    for row in entries:
+        if not isinstance(row, (tuple, list)) or len(row) != 5:
+            raise InvalidArgument("entries must be (key, dtype_name, shape, nbytes, digest) tuples")
+        key, dtype, shape, nbytes, digest = row
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"entry key must be a non-empty str, got {key!r}")
+        if key in seen:
+            raise InvalidArgument(f"entry key {key!r} appears twice")
+        seen.add(key)
+        dtype = dtype_name(dtype)
+        dims = _check_shape(key, shape)
+        expected = math.prod(dims) * DTYPE_ITEMSIZE[dtype]
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes != expected:
+            raise InvalidArgument(f"nbytes of {key!r} is {nbytes!r} but {dtype}{list(dims)} has {expected}")
+        try:
+            digest = bytes(digest)
+        except TypeError:
+            raise InvalidArgument(f"digest of {key!r} must be bytes") from None
+        if len(digest) != DIGEST_NBYTES[scheme]:
+            raise InvalidArgument(f"digest of {key!r} must be {DIGEST_NBYTES[scheme]} bytes for {scheme}")
+        checked.append((key, dtype, dims, nbytes, digest))
+    parts = [_DOMAIN, _framed(scheme), _framed(modality), _u64(len(checked))]
+    for key, dtype, dims, nbytes, digest in sorted(checked, key=lambda r: r[0]):
+        parts += [_framed(key), _framed(dtype), _u64(len(dims)), *(_u64(d) for d in dims), _u64(nbytes), digest]
+    stream = b"".join(parts)
+    if scheme == "xxh3-128":
+        digest = kernels.xxh3_128(stream)
+    else:
+        import blake3
+
+        digest = blake3.blake3(stream).digest()
+    return f"{scheme}:{digest.hex()}"
+
+
+def item_identity(modality: str, tensors: Mapping[str, Any], scheme: str = DEFAULT_SCHEME,
+                  threads: int | None = None) -> str:
+    """Identity of one item from its tensors (ndarray, torch.Tensor or (dtype, shape, buffer))."""
+    _check_scheme(scheme)
+    _check_modality(modality)
+    if not isinstance(tensors, Mapping):
+        raise InvalidArgument(f"tensors must be a mapping of key -> tensor, got {type(tensors).__name__}")
+    entries = []
+    for key, value in tensors.items():
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"tensor key must be a non-empty str, got {key!r}")
+        name, shape, view = _tensor_parts(key, value)
+        entries.append((key, name, shape, view.nbytes, tensor_digest(scheme, view, threads)))
+    return combine(scheme, modality, entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM gRPC compatibility, cache identifiers, UUID validation
+# ---------------------------------------------------------------------------------------------
+def grpc_mm_identity(modality: str, kwargs_msgpack: bytes) -> str:
+    """``"grpc-mm:" + hex(SHA256(b"vllm.grpc.preprocessed-mm.v1" || u64be(len(modality)) || modality
+    || u64be(len(raw)) || raw))`` over the exact MessagePack bytes ``raw``."""
+    _check_modality(modality)
+    try:
+        raw = memoryview(kwargs_msgpack).cast("B")
+    except TypeError:
+        raise InvalidArgument(f"kwargs_msgpack must be bytes, got {type(kwargs_msgpack).__name__}") from None
+    mod = modality.encode("utf-8")
+    h = hashlib.sha256(_GRPC_MM_DOMAIN)
+    h.update(struct.pack(">Q", len(mod)))
+    h.update(mod)
+    h.update(struct.pack(">Q", raw.nbytes))
+    h.update(raw)
+    return "grpc-mm:" + h.hexdigest()
+
+
+def cache_identifier(mm_hash: str, adapter: str | None = None) -> str:
+    """vLLM's encoder-cache identifier: ``"{adapter}:{mm_hash}"`` with a LoRA adapter, else mm_hash."""
+    validate_uuid(mm_hash)
+    if adapter is not None and not isinstance(adapter, str):
+        raise InvalidArgument(f"adapter must be a str or None, got {type(adapter).__name__}")
+    return f"{adapter}:{mm_hash}" if adapter else mm_hash
+
+
+def validate_uuid(s: Any) -> str:
+    """Reject identifiers that are unsafe as cache keys or path components; returns ``s``."""
+    if not isinstance(s, str):
+        raise InvalidArgument(f"uuid must be a str, got {type(s).__name__}")
+    if s in ("", ".", ".."):
+        raise InvalidArgument(f"uuid must not be {s!r}")
+    for bad in ("/", "\\", "\0"):
+        if bad in s:
+            raise InvalidArgument(f"uuid must not contain {bad!r}")
+    return s
