@@ -242,12 +242,6 @@ def test_bfloat16_written_through_a_loan_round_trips_bit_exactly(daemon):
         del loan, lease
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Producer.put of a torch bfloat16 tensor raises InvalidArgument(\"not a dtype: 'bfloat16'\"): "
-    "put_many passes the dtype *name* from as_byte_array to _loan_spec, which calls tensors.dtype_name(name), "
-    "and np.dtype('bfloat16') does not exist (tensors.py dtype_name; same for loan(shape=, dtype='bfloat16'))",
-)
 def test_put_of_a_bfloat16_torch_tensor_round_trips_bit_exactly(daemon):
     torch = pytest.importorskip("torch")
     src = torch.linspace(-3, 3, 97, dtype=torch.float32).to(torch.bfloat16).reshape(1, 97)
@@ -311,12 +305,6 @@ def test_batch_forms_round_trip_in_one_call_each(daemon):
     assert daemon.stat().live_objects == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a zero-size tensor is stored as a 1-byte allocation and Consumer.acquire_many "
-    "builds the Lease over all nbytes=1 (client.py Consumer.acquire_many: self._memory(h.shm) is not "
-    "cut to the manifest size), so Lease.array cannot reshape 1 byte to shape (0, ...)",
-)
 def test_zero_size_tensor_round_trips_as_an_empty_array(daemon):
     empty = np.zeros((0, 4), dtype=np.float32)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
@@ -620,13 +608,6 @@ def test_release_with_a_live_view_is_deferred_until_the_view_is_dropped(daemon):
         del lease
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a view derived from Lease.array (slice, reshape, .view) does not defer the release: "
-    "client.py _View._views_alive tracks only a weakref to the cached _array, but numpy collapses "
-    ".base chains, so lease.array[10:20].base is the frombuffer array, not _array; the lease is "
-    "released at once and the bytes can be reused under the caller's live view",
-)
 def test_release_with_a_live_derived_view_is_deferred_until_the_view_is_dropped(daemon):
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
@@ -673,13 +654,6 @@ def test_lease_verify_passes_on_intact_bytes_and_raises_identity_mismatch_on_a_f
         del lease, info
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: arena.detach keeps a mapping it could not close (a Loan/Lease object, even released, "
-    "still holds a memoryview slice of it) in arena._mappings with refs=0 and never retries, so the "
-    "mmap, its dup'd fd and the pages of the (unlinked) segment stay for the life of the process; "
-    "`with consumer.acquire(h) as lease: ...` followed by Consumer.close() is enough",
-)
 def test_lease_object_outliving_its_consumer_does_not_leak_the_mapping(daemon):
     from shmtransport import arena
 
@@ -707,13 +681,6 @@ def test_lease_object_outliving_its_consumer_does_not_leak_the_mapping(daemon):
                 arena._mappings.pop(key, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (DESIGN §3 rule 5): Acquire of a handle whose commit has not arrived blocks a daemon "
-    "gRPC worker for up to commit_wait_s (registry.py Registry.acquire waits on _committed under the "
-    "call); grpc_workers such calls (e.g. consumers racing a producer that never commits) stall every "
-    "other client's calls, even Stat, for the whole wait",
-)
 def test_acquires_waiting_for_a_missing_commit_do_not_stall_other_clients(make_daemon):
     daemon = make_daemon(commit_wait_s=1.5)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(

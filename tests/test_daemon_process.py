@@ -207,14 +207,6 @@ def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(s
         del lease
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the first call after a daemon restart fails instead of reconnecting: the gRPC "
-    "channel silently reconnects to the new daemon on the same socket with the old session token, "
-    "which the new daemon refuses (PermissionDenied 'missing or unknown session token'); client.py "
-    "_Connection.call only reconnects after such a failure, though the session socket already "
-    "reported EOF when the old daemon died",
-)
 def test_first_call_after_a_daemon_restart_reconnects_to_the_new_daemon(start_cli_daemon):
     first = start_cli_daemon()
     with Consumer(first.socket_path, timeout_s=TIMEOUT_S) as consumer:

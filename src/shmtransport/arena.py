@@ -76,6 +76,9 @@ _mappings: dict[tuple[str, bool], ArenaMapping] = {}
 def attach(name: str, nbytes: int, writable: bool) -> ArenaMapping:
     """The process-wide mapping of ``name`` (created on first use); pair with ``detach``."""
     with _lock:
+        for key, candidate in list(_mappings.items()):
+            if candidate._refs <= 0 and candidate.close():
+                del _mappings[key]
         mapping = _mappings.get((name, writable))
         if mapping is None or mapping.closed:
             mapping = ArenaMapping(name, nbytes, writable)
@@ -85,7 +88,10 @@ def attach(name: str, nbytes: int, writable: bool) -> ArenaMapping:
 
 
 def detach(mapping: ArenaMapping) -> None:
+    """Drop one reference; unmap the segments no client uses any more (now or, when a caller
+    still holds a view, on a later attach/detach once the view is gone)."""
     with _lock:
         mapping._refs -= 1
-        if mapping._refs <= 0 and mapping.close():
-            _mappings.pop((mapping.name, mapping.writable), None)
+        for key, candidate in list(_mappings.items()):
+            if candidate._refs <= 0 and candidate.close():
+                del _mappings[key]

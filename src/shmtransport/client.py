@@ -29,8 +29,10 @@ from .errors import (
     ClosedError,
     IdentityMismatch,
     InvalidArgument,
+    OwnershipError,
     PermissionDenied,
     Reason,
+    ShmTransportError,
     Unavailable,
     error_from_rpc,
 )
@@ -105,8 +107,19 @@ class _Connection:
 
     def ensure(self) -> None:
         with self._lock:
+            if self.stub is not None and not self._session_alive():
+                self._drop()  # the daemon died: its session socket hit EOF
             if self.stub is None:
                 self._connect()
+
+    def _session_alive(self) -> bool:
+        """The daemon never writes after the handshake, so readable means EOF: it is gone."""
+        try:
+            return self._session_sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
 
     def _connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -127,6 +140,7 @@ class _Connection:
                 raise PermissionDenied(f"daemon refused this client: {hello.get('message')}")
             raise Unavailable(f"bad session handshake from {self.socket_path}")
         mapping = arena.attach(hello["segment_name"], hello["arena_nbytes"], self.writable)
+        sock.setblocking(False)  # only ever peeked at by _session_alive from now on
         self.hello = hello
         self._session_sock = sock
         self._metadata = ((SESSION_METADATA_KEY, hello["token"]),)
@@ -140,7 +154,8 @@ class _Connection:
         try:
             return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise self.typed(err) from None
+            exc = self.typed(err)
+        raise exc
 
     def call_future(self, method: str, request) -> grpc.Future:
         """Send an RPC without waiting for its reply; ``typed`` turns its failure into our error."""
@@ -149,10 +164,11 @@ class _Connection:
 
     def typed(self, err: grpc.RpcError):
         exc = error_from_rpc(err)
-        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
+        # The daemon is gone or restarted (not: it refused a foreign handle): new session next call.
+        if exc.reason is Reason.DAEMON_UNAVAILABLE or (
             exc.reason is Reason.PERMISSION_DENIED and "session" in exc.message
         ):
-            self.disconnect()  # the daemon is gone or restarted: a fresh session next call
+            self.disconnect()
         return exc
 
     @property
@@ -161,13 +177,16 @@ class _Connection:
 
     def disconnect(self) -> None:
         with self._lock:
-            if self._channel is not None:
-                self._channel.close()
-            if self._session_sock is not None:
-                self._session_sock.close()
-            if self.mapping is not None:
-                arena.detach(self.mapping)
-            self._channel = self.stub = self._session_sock = self.mapping = None
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        if self._session_sock is not None:
+            self._session_sock.close()
+        if self.mapping is not None:
+            arena.detach(self.mapping)
+        self._channel = self.stub = self._session_sock = self.mapping = None
 
 
 class _View:
@@ -191,9 +210,11 @@ class _View:
         if self._released:
             raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
         if self._array is None:
-            raw = np.frombuffer(self._memory, dtype=np.uint8)
-            self._array = raw.view(dtype_from_name(self.handle.dtype)).reshape(self.handle.shape)
-            self._array_ref = weakref.ref(self._array)
+            root = np.frombuffer(self._memory, dtype=np.uint8)
+            # numpy points every view derived from ``root`` (slices, reshapes, torch.from_numpy)
+            # at ``root`` itself, so its weakref says whether any view of these bytes is alive.
+            self._array_ref = weakref.ref(root)
+            self._array = root.view(dtype_from_name(self.handle.dtype)).reshape(self.handle.shape)
         return self._array
 
     def tensor(self):
@@ -206,6 +227,10 @@ class _View:
     def _detach_views(self) -> None:
         self._released = True
         self._array = None
+
+    def _forget_memory(self) -> None:
+        """Once released and unviewed: drop our slice so the process mapping can be unmapped."""
+        self._memory = None
 
     def __enter__(self):
         return self
@@ -242,6 +267,8 @@ class Lease(_View):
 
     def verify(self) -> None:
         """Recompute the content digest from shared memory; IdentityMismatch when it differs."""
+        if self._released:
+            raise ClosedError(f"{self!r} is released", Reason.VIEW_RELEASED)
         if not self.handle.digest:
             raise InvalidArgument("handle carries no digest: the producer did not hash")
         if kernels.tree_digest(self._memory) != self.handle.digest:
@@ -345,6 +372,7 @@ class _Client:
             self._schedule_flush()
 
     def _queue(self, view: _View) -> None:
+        view._forget_memory()
         if isinstance(view, Lease):
             self._queued_leases.append(view.lease_id)
         else:
@@ -410,8 +438,14 @@ class _Client:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an error is already propagating: closing must not replace it
+            self.close()
+        except ShmTransportError as close_error:
+            _log.warning("closing %r after %s failed: %s", self, exc_type.__name__, close_error)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"instance={self.instance_id}"
@@ -476,8 +510,8 @@ class Producer(_Client):
 
     def _before_call(self, method: str) -> None:
         super()._before_call(method)
-        # A release must not overtake the commit of the same object.
-        self._settle_commits(block=method == "Release")
+        # A release must not overtake the commit of the same object; Stat reports settled state.
+        self._settle_commits(block=method in ("Release", "Stat"))
 
     def _piggyback(self, request) -> None:
         # A queued release must not overtake the commit of the same object.
@@ -563,12 +597,18 @@ class Consumer(_Client):
                     f"handle of daemon instance {h.shm.instance_id!r}, connected to {self.instance_id!r}",
                     Reason.INSTANCE_MISMATCH,
                 )
-            _check_manifest(h)
+        sizes = [_check_manifest(h) for h in handles]
         response = self._call("Acquire", pb.AcquireRequest(handles=[h.shm for h in handles], ttl_ms=ttl_ms))
-        return [Lease(self, h, self._memory(h.shm), lease_id) for h, lease_id in zip(handles, response.lease_ids)]
+        return [
+            Lease(self, h, self._memory(h.shm)[:nbytes], lease_id)
+            for h, nbytes, lease_id in zip(handles, sizes, response.lease_ids)
+        ]
 
     def release_many(self, leases: Sequence[Lease], wait: bool = False) -> None:
         """Release leases (queued and piggybacked; ``wait=True`` sends them now)."""
+        for lease in leases:
+            if lease._client is not self:
+                raise OwnershipError(f"{lease!r} belongs to another Consumer")
         live = [lease for lease in leases if not lease._released]
         if live:
             self._release_views(live)
@@ -591,7 +631,9 @@ def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> t
     return name, shape, size
 
 
-def _check_manifest(h: Handle) -> None:
+def _check_manifest(h: Handle) -> int:
+    """The tensor's byte size; the handle must match it (a zero-size tensor occupies 1 byte)."""
     expected = int(np.prod(h.shape, dtype=np.int64)) * dtype_from_name(h.dtype).itemsize
     if expected != h.nbytes and not (expected == 0 and h.nbytes == 1):
         raise InvalidArgument(f"handle nbytes {h.nbytes} != {h.dtype}{list(h.shape)} ({expected} bytes)")
+    return expected

@@ -43,7 +43,9 @@ def _is_torch(obj: Any) -> bool:
 
 def dtype_name(dtype: Any) -> str:
     """vLLM's name for a numpy or torch dtype (``str(torch.dtype)`` minus ``torch.``)."""
-    if _is_torch(dtype):
+    if isinstance(dtype, str) and dtype in DTYPES:
+        name = dtype
+    elif _is_torch(dtype):
         name = str(dtype).removeprefix("torch.")
     else:
         try:

@@ -51,7 +51,9 @@ class DaemonConfig:
     max_alloc_wait_ms: int = 10_000  # cap on a Loan's back-pressure wait for free space
     page_align_min_nbytes: int = 64 * 1024
     metrics_port: int | None = None
-    grpc_workers: int = 8
+    # Threads serving RPCs. Acquire (waiting for a commit in flight) and Loan (waiting for space)
+    # park a thread for a bounded time; a large pool keeps such waits from delaying other clients.
+    grpc_workers: int = 64
     stop_grace_s: float = 5.0
 
     @property

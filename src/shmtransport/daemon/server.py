@@ -60,6 +60,17 @@ class _Servicer(pb_grpc.DaemonServicer):
     def __init__(self, daemon: "Daemon"):
         self._daemon = daemon
         self._registry = daemon.registry
+        # Waiting calls park a worker thread; at most half the pool may wait, so the other half
+        # always serves everyone else (no head-of-line blocking). Past that, waits fail fast.
+        self._wait_slots = threading.BoundedSemaphore(max(1, daemon.config.grpc_workers // 2))
+
+    def _waiting(self, wait_s: float, call: Callable[[float], object]):
+        if wait_s <= 0 or not self._wait_slots.acquire(blocking=False):
+            return call(0.0)
+        try:
+            return call(wait_s)
+        finally:
+            self._wait_slots.release()
 
     def _session_id(self, context) -> str:
         for key, value in context.invocation_metadata():
@@ -85,7 +96,7 @@ class _Servicer(pb_grpc.DaemonServicer):
         session_id = self._session_id(context)
         self._piggybacked_release(session_id, request)
         wait_s = _bounded_wait(min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000, context)
-        handles = self._registry.loan(session_id, request.nbytes, wait_s)
+        handles = self._waiting(wait_s, lambda w: self._registry.loan(session_id, request.nbytes, w))
         return pb.LoanResponse(handles=handles)
 
     @_typed_errors
@@ -100,7 +111,9 @@ class _Servicer(pb_grpc.DaemonServicer):
         wait_s = _bounded_wait(self._daemon.config.commit_wait_s, context)
         session_id = self._session_id(context)
         self._piggybacked_release(session_id, request)
-        lease_ids = self._registry.acquire(session_id, request.handles, request.ttl_ms, wait_s)
+        lease_ids = self._waiting(
+            wait_s, lambda w: self._registry.acquire(session_id, request.handles, request.ttl_ms, w)
+        )
         return pb.AcquireResponse(lease_ids=lease_ids)
 
     @_typed_errors

@@ -111,15 +111,22 @@ class SessionServer:
                 conn.sendall(b'{"error": "permission_denied", "message": "uid %d is not allowed"}\n' % uid)
                 conn.close()
                 return
-            session_id, token = secrets.token_hex(8), secrets.token_hex(16)
-            self._on_open(session_id, pid, uid)
-            with self._tokens_lock:
-                self._tokens[token] = session_id
-            hello = dict(self._hello, session_id=session_id, token=token, pid=pid)
-            conn.sendall(json.dumps(hello).encode() + b"\n")
         except OSError as exc:
             _log.info("session handshake failed: %s", exc)
             conn.close()
+            return
+        # Registered before the reply, so the client's first RPC finds its token; undone if the
+        # client is already gone.
+        session_id, token = secrets.token_hex(8), secrets.token_hex(16)
+        self._on_open(session_id, pid, uid)
+        with self._tokens_lock:
+            self._tokens[token] = session_id
+        try:
+            hello = dict(self._hello, session_id=session_id, token=token, pid=pid)
+            conn.sendall(json.dumps(hello).encode() + b"\n")
+        except OSError as exc:
+            _log.info("session handshake with pid %d failed: %s", pid, exc)
+            self._drop(conn, (session_id, token))
             return
         conn.setblocking(False)
         self._selector.register(conn, selectors.EVENT_READ, (session_id, token))
