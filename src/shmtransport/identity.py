@@ -31,20 +31,12 @@ import numpy as np
 
 from ._backend import kernels
 from .errors import InvalidArgument
+from .tensors import DTYPE_ITEMSIZE, as_byte_array, dtype_name
 
 SCHEMES = ("xxh3-128", "blake3", "grpc-mm")
 DEFAULT_SCHEME = "xxh3-128"
 TENSOR_SCHEMES = ("xxh3-128", "blake3")  # the schemes computed from tensors (two-level)
 DIGEST_NBYTES = {"xxh3-128": 16, "blake3": 32}
-
-# vLLM's dtype names (str(torch.dtype) without "torch.") and their widths: the 13 dtypes vLLM's
-# gRPC server accepts for preprocessed tensors.
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "bool": 1, "uint8": 1, "int8": 1,
-    "float16": 2, "bfloat16": 2, "uint16": 2, "int16": 2,
-    "float32": 4, "uint32": 4, "int32": 4,
-    "float64": 8, "uint64": 8, "int64": 8,
-}
 
 _DOMAIN = b"shmtransport.identity.v1\0"
 _GRPC_MM_DOMAIN = b"vllm.grpc.preprocessed-mm.v1"
@@ -78,32 +70,6 @@ def _check_modality(modality: Any) -> str:
     return modality
 
 
-# ---------------------------------------------------------------------------------------------
-# dtypes
-# ---------------------------------------------------------------------------------------------
-def dtype_name(x: Any) -> str:
-    """vLLM's dtype name of an ndarray, numpy dtype, torch tensor or dtype, or a name string.
-
-    Only the 13 dtypes of ``DTYPE_ITEMSIZE`` are allowed; numpy dtypes must be native byte order.
-    """
-    if isinstance(x, str):
-        name = x[len("torch."):] if x.startswith("torch.") else x
-    elif isinstance(x, (np.ndarray, np.dtype)) or (isinstance(x, type) and issubclass(x, np.generic)):
-        dt = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
-        if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian and dt.itemsize > 1):
-            raise InvalidArgument(f"dtype {dt} is big-endian; identities are over little-endian bytes")
-        name = dt.name
-    else:
-        dt = getattr(x, "dtype", x)
-        text = str(dt)
-        if not text.startswith("torch."):
-            raise InvalidArgument(f"dtype: unsupported object {type(x).__name__}")
-        name = text[len("torch."):]
-    if name not in DTYPE_ITEMSIZE:
-        raise InvalidArgument(f"dtype {name!r} is not allowed; allowed: {', '.join(DTYPE_ITEMSIZE)}")
-    return name
-
-
 def _tensor_parts(key: str, value: Any) -> tuple[str, tuple[int, ...], memoryview]:
     """(dtype name, shape, C-order bytes) of an ndarray, a torch tensor or a (dtype, shape, buffer)."""
     if isinstance(value, tuple):
@@ -119,19 +85,11 @@ def _tensor_parts(key: str, value: Any) -> tuple[str, tuple[int, ...], memoryvie
         if not view.c_contiguous:
             raise InvalidArgument(f"tensors[{key!r}]: buffer must be C-contiguous")
         return name, shape, view.cast("B")
-    if isinstance(value, np.ndarray):
-        name = dtype_name(value)
-        shape = tuple(int(d) for d in value.shape)  # np.ascontiguousarray would make 0-d arrays 1-d
-        arr = value if value.flags.c_contiguous else value.copy(order="C")
-        return name, shape, memoryview(arr.reshape(-1).view(np.uint8))
-    if type(value).__module__.startswith("torch"):
-        name = dtype_name(value)
-        t = value.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        shape = tuple(int(d) for d in t.shape)
-        t = t.contiguous().reshape(-1).view(__import__("torch").uint8)  # bfloat16 etc. as raw bytes
-        return name, shape, memoryview(t.numpy())
+    if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+        if not isinstance(value, np.ndarray) and value.device.type != "cpu":
+            value = value.cpu()
+        flat, name, shape = as_byte_array(value)
+        return name, shape, memoryview(flat)
     raise InvalidArgument(f"tensors[{key!r}] must be an ndarray, a torch.Tensor or (dtype, shape, buffer), "
                           f"got {type(value).__name__}")
 

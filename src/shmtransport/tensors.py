@@ -27,6 +27,7 @@ DTYPES: dict[str, np.dtype] = {
     "uint64": np.dtype(np.uint64),
     "int64": np.dtype(np.int64),
 }
+DTYPE_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
 MAX_RANK = 32
 
 
@@ -41,18 +42,23 @@ def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch")
 
 
-def dtype_name(dtype: Any) -> str:
-    """vLLM's name for a numpy or torch dtype (``str(torch.dtype)`` minus ``torch.``)."""
-    if isinstance(dtype, str) and dtype in DTYPES:
-        name = dtype
-    elif _is_torch(dtype):
-        name = str(dtype).removeprefix("torch.")
+def dtype_name(x: Any) -> str:
+    """vLLM's dtype name (``str(torch.dtype)`` minus ``torch.``) of a name, a numpy array / dtype,
+    or a torch tensor / dtype. Only the 13 dtypes of ``DTYPES``; numpy data must be little-endian."""
+    if isinstance(x, str):
+        name = x.removeprefix("torch.")
+    elif isinstance(x, (np.ndarray, np.dtype)) or (isinstance(x, type) and issubclass(x, np.generic)):
+        dt = x.dtype if isinstance(x, np.ndarray) else np.dtype(x)
+        if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian and dt.itemsize > 1):
+            raise InvalidArgument(f"dtype {dt} is big-endian; tensors travel as little-endian bytes")
+        name = dt.name
     else:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            raise InvalidArgument(f"not a dtype: {dtype!r}") from None
-    dtype_from_name(name)
+        text = str(getattr(x, "dtype", x))
+        if not text.startswith("torch."):
+            raise InvalidArgument(f"not a dtype: {x!r}")
+        name = text.removeprefix("torch.")
+    if name not in DTYPES:
+        raise InvalidArgument(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
     return name
 
 
