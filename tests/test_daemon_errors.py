@@ -296,7 +296,17 @@ def test_double_commit_is_refused_as_wrong_state(producer):
     loan = producer.loan(4096)
     loan.commit()
     with pytest.raises(StateError) as info:
-        producer.commit_many([loan], wait=True)
+        producer.commit_many([loan], wait=True)  # the client knows it committed already
+    raise_reason(info, StateError, Reason.WRONG_STATE)
+    loan.release()
+    del loan
+
+
+def test_double_commit_is_refused_by_the_daemon_as_wrong_state(producer):
+    loan = producer.loan(4096)
+    loan.commit(wait=True)
+    with pytest.raises(StateError) as info:
+        producer._call("Commit", pb.CommitRequest(handles=[loan.handle.shm]))
     raise_reason(info, StateError, Reason.WRONG_STATE)
     loan.release()
     del loan
@@ -304,13 +314,29 @@ def test_double_commit_is_refused_as_wrong_state(producer):
 
 def test_a_refused_pipelined_commit_raises_no_later_than_the_producers_next_release(producer):
     loan = producer.loan(4096)
-    loan.commit()
-    loan.commit()  # sent without waiting for the reply: nothing raises here
-    with pytest.raises(StateError) as info:
+    loan.commit(hold_ms=10**9)  # a Commit RPC sent without waiting: the hold exceeds the maximum
+    with pytest.raises(InvalidArgument) as info:
         producer.release(loan.handle, wait=True)  # a release settles the commits before it
-    raise_reason(info, StateError, Reason.WRONG_STATE)
+    raise_reason(info, InvalidArgument, Reason.INVALID_ARGUMENT)
     loan.release()
     del loan
+
+
+def test_a_forged_commit_token_is_refused_and_the_loan_stays_uncommitted(make_daemon):
+    daemon = make_daemon(commit_wait_s=0.1)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
+        daemon.socket_path, timeout_s=TIMEOUT_S
+    ) as consumer:
+        loan = producer.loan(4096)
+        forged = Handle(loan.handle.shm, loan.handle.dtype, loan.handle.shape, commit_token=b"x" * 16)
+        with pytest.raises(HandleError) as info:
+            consumer.acquire(forged)
+        raise_reason(info, HandleError, Reason.BAD_HANDLE)
+        with pytest.raises(StateError):
+            consumer.acquire(loan.handle)  # still uncommitted: refused after the commit wait
+        loan.release()
+        del loan
+    assert_still_serves(daemon)
 
 
 def test_the_same_handle_twice_in_one_commit_is_refused_as_invalid_argument(producer):

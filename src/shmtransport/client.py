@@ -31,6 +31,7 @@ from .errors import (
     InvalidArgument,
     OwnershipError,
     PermissionDenied,
+    StateError,
     Reason,
     ShmTransportError,
     Unavailable,
@@ -46,24 +47,29 @@ _log = logging.getLogger("shmtransport.client")
 class Handle:
     """A tensor in shared memory: the daemon handle plus dtype, shape and (optional) digest."""
 
-    __slots__ = ("shm", "dtype", "shape", "digest")
+    __slots__ = ("shm", "dtype", "shape", "digest", "commit_token")
 
-    def __init__(self, shm: pb.Handle, dtype: str, shape: Sequence[int], digest: bytes = b""):
+    def __init__(
+        self, shm: pb.Handle, dtype: str, shape: Sequence[int], digest: bytes = b"", commit_token: bytes = b""
+    ):
         self.shm = shm
         self.dtype = dtype
         self.shape = tuple(int(d) for d in shape)
         self.digest = digest
+        self.commit_token = commit_token  # set when committed by handoff (see Producer.commit_many)
 
     @property
     def nbytes(self) -> int:
         return self.shm.nbytes
 
     def to_proto(self) -> pb.TensorHandle:
-        return pb.TensorHandle(shm=self.shm, dtype=self.dtype, shape=self.shape, digest=self.digest)
+        return pb.TensorHandle(
+            shm=self.shm, dtype=self.dtype, shape=self.shape, digest=self.digest, commit_token=self.commit_token
+        )
 
     @classmethod
     def from_proto(cls, msg: pb.TensorHandle) -> "Handle":
-        return cls(msg.shm, msg.dtype, msg.shape, msg.digest)
+        return cls(msg.shm, msg.dtype, msg.shape, msg.digest, msg.commit_token)
 
     def to_bytes(self) -> bytes:
         return self.to_proto().SerializeToString()
@@ -246,8 +252,13 @@ class _View:
 class Loan(_View):
     """Writable bytes loaned to a producer; ``commit`` seals them and returns the handle."""
 
-    def commit(self, hash: bool = False, hold_ms: int = 0) -> Handle:
-        return self._client.commit_many([self], hash=hash, hold_ms=hold_ms)[0]
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview, commit_token: bytes):
+        super().__init__(client, handle, memory)
+        self._commit_token = commit_token  # kept private until commit: it lets the holder commit
+        self.committed = False
+
+    def commit(self, hash: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
+        return self._client.commit_many([self], hash=hash, hold_ms=hold_ms, wait=wait)[0]
 
     def release(self) -> None:
         """Give the loan back without committing (or drop the producer reference after commit)."""
@@ -480,32 +491,48 @@ class Producer(_Client):
         )
         response = self._call("Loan", request)
         return [
-            Loan(self, Handle(shm, dt, shape), self._memory(shm)[:nbytes])
-            for shm, (dt, shape, nbytes) in zip(response.handles, typed)
+            Loan(self, Handle(shm, dt, shape), self._memory(shm)[:nbytes], token)
+            for shm, token, (dt, shape, nbytes) in zip(response.handles, response.commit_tokens, typed)
         ]
 
     def commit_many(
         self, loans: Sequence[Loan], hash: bool = False, hold_ms: int = 0, wait: bool = False
     ) -> list[Handle]:
-        """Seal loans in one RPC; ``hash`` computes each content digest from shared memory first.
+        """Seal loans; ``hash`` computes each content digest from shared memory first.
 
-        The commit is pipelined: it returns once the request is sent, and the handles may be handed
-        off at once (the daemon makes an Acquire wait for a commit still in flight). A failed commit
-        raises from this producer's next call; ``wait=True`` waits for the reply here.
+        By default the commit costs no round trip: it travels with the handles (commit by handoff)
+        and the first consumer's Acquire commits the objects. With ``hold_ms`` (keep the objects
+        alive after this producer releases them) or ``wait=True`` a Commit RPC is sent; it is
+        pipelined unless ``wait`` (a failure raises from this producer's next blocking call).
         """
         for loan in loans:
             if loan._released:
                 raise ClosedError(f"{loan!r} was released; it cannot be committed")
+            if loan.committed:
+                raise StateError(f"{loan!r} is already committed")
+        for loan in loans:
             if hash:
                 loan.handle.digest = kernels.tree_digest(loan._memory)
+        if not hold_ms and not wait:
+            for loan in loans:
+                loan.committed = True
+                loan.handle.commit_token = loan._commit_token
+            return [loan.handle for loan in loans]
         self._before_call("Commit")
         request = pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms)
         self._piggyback(request)
         future = self._conn.call_future("Commit", request)
         with self._lock:
             self._pending_commits.append(future)
+        for loan in loans:
+            loan.committed = True
         if wait:
-            self._settle_commits(block=True)
+            try:
+                self._settle_commits(block=True)
+            except ShmTransportError:
+                for loan in loans:
+                    loan.committed = False
+                raise
         return [loan.handle for loan in loans]
 
     def _before_call(self, method: str) -> None:
@@ -598,7 +625,10 @@ class Consumer(_Client):
                     Reason.INSTANCE_MISMATCH,
                 )
         sizes = [_check_manifest(h) for h in handles]
-        response = self._call("Acquire", pb.AcquireRequest(handles=[h.shm for h in handles], ttl_ms=ttl_ms))
+        request = pb.AcquireRequest(handles=[h.shm for h in handles], ttl_ms=ttl_ms)
+        if any(h.commit_token for h in handles):
+            request.commit_tokens.extend(h.commit_token for h in handles)
+        response = self._call("Acquire", request)
         return [
             Lease(self, h, self._memory(h.shm)[:nbytes], lease_id)
             for h, nbytes, lease_id in zip(handles, sizes, response.lease_ids)

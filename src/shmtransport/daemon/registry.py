@@ -17,9 +17,11 @@ import collections
 import dataclasses
 import enum
 import heapq
+import hmac
+import secrets
 import threading
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from ..errors import (
     HandleError,
@@ -62,6 +64,7 @@ class Allocation:
     producer_ref: bool = True
     hold_until: float = 0.0  # monotonic deadline; 0 = no hold
     leases: set[int] = dataclasses.field(default_factory=set)
+    commit_token: bytes = b""  # presenting it in Acquire commits the loan (commit by handoff)
 
 
 @dataclasses.dataclass
@@ -132,7 +135,7 @@ class Registry:
                 self.counters["reclaimed_death_nbytes"] += self._drop_producer_ref(self._objects[offset], session)
 
     # -- producer side ---------------------------------------------------------------------------
-    def loan(self, session_id: str, sizes: Iterable[int], wait_s: float = 0.0) -> list[pb.Handle]:
+    def loan(self, session_id: str, sizes: Iterable[int], wait_s: float = 0.0) -> tuple[list[pb.Handle], list[bytes]]:
         """Allocate every size (all or nothing). When the arena is full, wait up to ``wait_s`` for
         other clients to free space (back-pressure) before refusing with ARENA_FULL."""
         sizes = list(sizes)
@@ -166,17 +169,18 @@ class Registry:
                         raise
                     self._freed.wait(remaining)
             now = time.monotonic()
-            handles = []
+            handles, tokens = [], []
             for offset, nbytes in zip(offsets, sizes):
-                obj = Allocation(offset, nbytes, self._next_generation, session_id)
+                obj = Allocation(offset, nbytes, self._next_generation, session_id, commit_token=secrets.token_bytes(16))
                 self._next_generation += 1
                 self._objects[offset] = obj
                 session.producer_refs.add(offset)
                 session.owned_nbytes += nbytes
                 self._alloc_times.append(now)
                 handles.append(self._handle(obj))
+                tokens.append(obj.commit_token)
             self.counters["allocations_total"] += len(sizes)
-            return handles
+            return handles, tokens
 
     def commit(self, session_id: str, handles: Iterable[pb.Handle], hold_ms: int) -> None:
         handles = list(handles)
@@ -204,11 +208,19 @@ class Registry:
 
     # -- consumer side ---------------------------------------------------------------------------
     def acquire(
-        self, session_id: str, handles: Iterable[pb.Handle], ttl_ms: int, commit_wait_s: float = 0.0
+        self,
+        session_id: str,
+        handles: Iterable[pb.Handle],
+        ttl_ms: int,
+        commit_wait_s: float = 0.0,
+        commit_tokens: Sequence[bytes] = (),
     ) -> list[int]:
-        """Leases on committed objects. A handle whose commit has not arrived yet (producers commit
-        without waiting for the reply) is waited for up to ``commit_wait_s``."""
+        """Leases on committed objects. A loan whose matching commit token is presented is committed
+        here (commit by handoff); one whose commit has not arrived yet (producers commit without
+        waiting for the reply) is waited for up to ``commit_wait_s``."""
         handles = list(handles)
+        if commit_tokens and len(commit_tokens) != len(handles):
+            raise InvalidArgument(f"{len(commit_tokens)} commit tokens for {len(handles)} handles")
         self._check_batch(handles, "handles")
         ttl_ms = ttl_ms or self.limits.default_lease_ttl_ms
         if ttl_ms > self.limits.max_lease_ttl_ms:
@@ -218,6 +230,11 @@ class Registry:
             deadline = time.monotonic() + commit_wait_s
             while True:
                 objs = [self._resolve(h) for h in handles]
+                for obj, token in zip(objs, commit_tokens):
+                    if token and obj.state is ObjState.LOANED:
+                        if not hmac.compare_digest(token, obj.commit_token):
+                            raise HandleError(f"commit token does not match the loan at offset {obj.offset}")
+                        obj.state = ObjState.COMMITTED
                 pending = [obj for obj in objs if obj.state is not ObjState.COMMITTED]
                 remaining = deadline - time.monotonic()
                 if not pending:

@@ -96,8 +96,8 @@ class _Servicer(pb_grpc.DaemonServicer):
         session_id = self._session_id(context)
         self._piggybacked_release(session_id, request)
         wait_s = _bounded_wait(min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000, context)
-        handles = self._waiting(wait_s, lambda w: self._registry.loan(session_id, request.nbytes, w))
-        return pb.LoanResponse(handles=handles)
+        handles, tokens = self._waiting(wait_s, lambda w: self._registry.loan(session_id, request.nbytes, w))
+        return pb.LoanResponse(handles=handles, commit_tokens=tokens)
 
     @_typed_errors
     def Commit(self, request, context):
@@ -112,7 +112,8 @@ class _Servicer(pb_grpc.DaemonServicer):
         session_id = self._session_id(context)
         self._piggybacked_release(session_id, request)
         lease_ids = self._waiting(
-            wait_s, lambda w: self._registry.acquire(session_id, request.handles, request.ttl_ms, w)
+            wait_s,
+            lambda w: self._registry.acquire(session_id, request.handles, request.ttl_ms, w, request.commit_tokens),
         )
         return pb.AcquireResponse(lease_ids=lease_ids)
 

@@ -23,16 +23,18 @@ class Handle(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., owner_id: _Optional[str] = ..., generation: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
-    __slots__ = ("shm", "dtype", "shape", "digest")
+    __slots__ = ("shm", "dtype", "shape", "digest", "commit_token")
     SHM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     shm: Handle
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     digest: bytes
-    def __init__(self, shm: _Optional[_Union[Handle, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    commit_token: bytes
+    def __init__(self, shm: _Optional[_Union[Handle, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., digest: _Optional[bytes] = ..., commit_token: _Optional[bytes] = ...) -> None: ...
 
 class ArenaInfo(_message.Message):
     __slots__ = ("instance_id", "segment_name", "nbytes", "shm_namespace")
@@ -57,10 +59,12 @@ class LoanRequest(_message.Message):
     def __init__(self, nbytes: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class LoanResponse(_message.Message):
-    __slots__ = ("handles",)
+    __slots__ = ("handles", "commit_tokens")
     HANDLES_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     handles: _containers.RepeatedCompositeFieldContainer[Handle]
-    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ...) -> None: ...
+    commit_tokens: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., commit_tokens: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("handles", "hold_ms", "release")
@@ -77,14 +81,16 @@ class CommitResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("handles", "ttl_ms", "release")
+    __slots__ = ("handles", "ttl_ms", "commit_tokens", "release")
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     handles: _containers.RepeatedCompositeFieldContainer[Handle]
     ttl_ms: int
+    commit_tokens: _containers.RepeatedScalarFieldContainer[bytes]
     release: ReleaseRequest
-    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., ttl_ms: _Optional[int] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., ttl_ms: _Optional[int] = ..., commit_tokens: _Optional[_Iterable[bytes]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_ids",)
