@@ -138,6 +138,20 @@ def test_copy_tree_digest_copies_and_equals_tree_digest(n):
         assert np.array_equal(dst, src)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, None])
+@pytest.mark.parametrize("n", [5 * C + 7, 9 * C])
+def test_threaded_copy_and_copy_tree_digest_equal_single_threaded(n, threads):
+    src = _bytes(n, n + 5, 3)
+    expected = P.tree_digest(src)
+    for mod in (N, P):
+        dst = np.zeros(n + 5, np.uint8)[5:]
+        assert mod.copy_tree_digest(dst, src, threads=threads) == expected
+        assert np.array_equal(dst, src)
+        dst2 = np.zeros(n + 1, np.uint8)[1:]
+        mod.copy(dst2, src, threads=threads)
+        assert np.array_equal(dst2, src)
+
+
 @pytest.mark.parametrize("n", EDGE_LENGTHS + [262_143, 262_144, 300_001])
 def test_copy_copies_every_byte_into_unaligned_destinations(n):
     src = _bytes(n, n, 1)

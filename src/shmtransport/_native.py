@@ -184,31 +184,50 @@ def tree_digest(buf: Any, threads: int | None = None) -> bytes:
         _check(lib.shmt_tree_leaves(src, nbytes, first, last, out + 16 * first, 16 * (last - first)),
                "tree_digest")
 
-    if nthreads <= 1:
-        hash_range(0, nchunks)
-    else:
-        # Threads claim blocks of chunks from a shared counter (next() on itertools.count is atomic
-        # under the GIL), so a thread that gets less CPU does less of the work.
-        step = max(1, min(_TREE_BLOCK_CHUNKS, nchunks // (4 * nthreads)))
-        blocks = itertools.count()
-
-        def worker() -> None:
-            while True:
-                first = next(blocks) * step
-                if first >= nchunks:
-                    return
-                hash_range(first, min(first + step, nchunks))
-
-        pool = _get_pool()
-        futures = [pool.submit(worker) for _ in range(nthreads - 1)]
-        worker()  # this thread works too
-        for future in futures:
-            future.result()
+    _over_chunks(nchunks, _parallelism(threads, nbytes, nchunks), lambda: hash_range)
     return _tree_root(nbytes, leaves)
 
 
-def copy_tree_digest(dst: Any, src: Any) -> bytes:
-    """Copy ``src`` into ``dst`` and return ``tree_digest(src)``, in one pass over the data."""
+# Below this size a thread hand-off costs more than the memory bandwidth a second core adds.
+_PARALLEL_MIN_NBYTES = 4 * TREE_CHUNK_NBYTES
+
+
+def _parallelism(threads: int | None, nbytes: int, nchunks: int) -> int:
+    if threads is None:
+        threads = os.cpu_count() or 1 if nbytes >= _PARALLEL_MIN_NBYTES else 1
+    return max(1, min(threads, nchunks))
+
+
+def _over_chunks(nchunks: int, nthreads: int, make_worker) -> None:
+    """Run ``make_worker()(first, last)`` over chunk ranges covering [0, nchunks), on ``nthreads``
+    threads (this one included). Threads claim blocks from a shared counter (next() on
+    itertools.count is atomic under the GIL), so a thread that gets less CPU does less work."""
+    if nthreads <= 1:
+        make_worker()(0, nchunks)
+        return
+    step = max(1, min(_TREE_BLOCK_CHUNKS, nchunks // (4 * nthreads)))
+    blocks = itertools.count()
+
+    def worker() -> None:
+        do_range = make_worker()
+        while True:
+            first = next(blocks) * step
+            if first >= nchunks:
+                return
+            do_range(first, min(first + step, nchunks))
+
+    pool = _get_pool()
+    futures = [pool.submit(worker) for _ in range(nthreads - 1)]
+    worker()
+    for future in futures:
+        future.result()
+
+
+def copy_tree_digest(dst: Any, src: Any, threads: int | None = None) -> bytes:
+    """Copy ``src`` into ``dst`` and return ``tree_digest(src)``, in one pass over the data; the
+    chunks are split over ``threads`` threads (None: all cores). Chunk ranges start on chunk
+    boundaries, so each thread's leaves are exactly the whole buffer's leaves."""
+    threads = _check_threads(threads)
     d, s = _dst_src(dst, src)
     if not HAVE_XXH3:
         copy(d, s)
@@ -216,11 +235,21 @@ def copy_tree_digest(dst: Any, src: Any) -> bytes:
     nbytes = s.nbytes
     nchunks = max(1, -(-nbytes // TREE_CHUNK_NBYTES))
     leaves = bytearray(16 * nchunks)
-    state = ffi.gc(lib.XXH3_createState(), lib.XXH3_freeState)
-    if state == ffi.NULL:
-        raise MemoryError("XXH3_createState failed")
-    _check(lib.shmt_copy_tree_leaves(state, _wptr(d), d.nbytes, _ptr(s), nbytes,
-                                     ffi.from_buffer("uint8_t[]", leaves), len(leaves)), "copy_tree_digest")
+    out, dptr, sptr = ffi.from_buffer("uint8_t[]", leaves), _wptr(d), _ptr(s)
+
+    def make_worker():
+        state = ffi.gc(lib.XXH3_createState(), lib.XXH3_freeState)
+        if state == ffi.NULL:
+            raise MemoryError("XXH3_createState failed")
+
+        def copy_range(first: int, last: int) -> None:
+            off = first * TREE_CHUNK_NBYTES
+            n = min(nbytes, last * TREE_CHUNK_NBYTES) - off
+            _check(lib.shmt_copy_tree_leaves(state, dptr + off, n, sptr + off, n, out + 16 * first,
+                                             16 * (last - first)), "copy_tree_digest")
+        return copy_range
+
+    _over_chunks(nchunks, _parallelism(threads, nbytes, nchunks), make_worker)
     if nbytes == 0:
         return xxh3_128(b"")
     if nbytes <= TREE_CHUNK_NBYTES:
@@ -228,10 +257,23 @@ def copy_tree_digest(dst: Any, src: Any) -> bytes:
     return _tree_root(nbytes, leaves)
 
 
-def copy(dst: Any, src: Any) -> None:
-    """Copy ``src`` into ``dst`` (same nbytes, no overlap); non-temporal stores for large sizes."""
+def copy(dst: Any, src: Any, threads: int | None = None) -> None:
+    """Copy ``src`` into ``dst`` (same nbytes, no overlap); non-temporal stores for large sizes,
+    split over ``threads`` threads (None: all cores for large sizes)."""
+    threads = _check_threads(threads)
     d, s = _dst_src(dst, src)
-    _check(lib.shmt_copy(_wptr(d), d.nbytes, _ptr(s), s.nbytes), "copy")
+    nbytes = s.nbytes
+    nchunks = max(1, -(-nbytes // TREE_CHUNK_NBYTES))
+    dptr, sptr = _wptr(d), _ptr(s)
+    if d.nbytes != nbytes:
+        _check(lib.shmt_copy(dptr, d.nbytes, sptr, nbytes), "copy")  # reports the size mismatch
+
+    def copy_range(first: int, last: int) -> None:
+        off = first * TREE_CHUNK_NBYTES
+        n = min(nbytes, last * TREE_CHUNK_NBYTES) - off
+        _check(lib.shmt_copy(dptr + off, n, sptr + off, n), "copy")
+
+    _over_chunks(nchunks, _parallelism(threads, nbytes, nchunks), lambda: copy_range)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -189,15 +189,17 @@ def tree_digest(buf: Any, threads: int | None = None) -> bytes:
     return _tree_root(nbytes, leaves)
 
 
-def copy_tree_digest(dst: Any, src: Any) -> bytes:
-    """Copy ``src`` into ``dst``; return ``tree_digest(src)``."""
+def copy_tree_digest(dst: Any, src: Any, threads: int | None = None) -> bytes:
+    """Copy ``src`` into ``dst``; return ``tree_digest(src)`` (``threads``: as in tree_digest)."""
+    _check_threads(threads)
     d, s = _dst_src(dst, src)
     d[:] = s
     return tree_digest(s)
 
 
-def copy(dst: Any, src: Any) -> None:
-    """Copy ``src`` into ``dst`` (same nbytes, no overlap)."""
+def copy(dst: Any, src: Any, threads: int | None = None) -> None:
+    """Copy ``src`` into ``dst`` (same nbytes, no overlap; ``threads`` as in tree_digest)."""
+    _check_threads(threads)
     d, s = _dst_src(dst, src)
     d[:] = s
 

@@ -472,11 +472,14 @@ class Producer(_Client):
         timeout_s: float = 10.0,
         release_delay_s: float = 0.02,
         alloc_wait_s: float = 1.0,
+        copy_threads: int | None = None,
     ):
         """``alloc_wait_s``: how long a loan waits for space when the arena is full (back-pressure)
-        before ResourceExhausted; 0 fails at once."""
+        before ResourceExhausted; 0 fails at once. ``copy_threads``: threads that ``put`` copies
+        (and hashes) large tensors with; None = all cores, 1 = the calling thread only."""
         self._pending_commits: list[grpc.Future] = []
         self.alloc_wait_s = alloc_wait_s
+        self.copy_threads = copy_threads
         super().__init__(socket_path, timeout_s, release_delay_s)
 
     def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None) -> Loan:
@@ -582,9 +585,9 @@ class Producer(_Client):
         try:
             for loan, (src, _, _) in zip(loans, sources):
                 if hash:
-                    loan.handle.digest = kernels.copy_tree_digest(loan._memory, src)
+                    loan.handle.digest = kernels.copy_tree_digest(loan._memory, src, self.copy_threads)
                 else:
-                    kernels.copy(loan._memory, src)
+                    kernels.copy(loan._memory, src, self.copy_threads)
             handles = self.commit_many(loans, hash=False, hold_ms=hold_ms)
         except BaseException:
             self._release_views(loans)
