@@ -87,41 +87,21 @@ def _link_choice() -> tuple[str, str | None]:
 MODE, LIBPATH = _link_choice()
 HAVE_XXH3 = MODE != "none"
 
-_CDEF = """
-#define SHMT_OK ...
-#define SHMT_EINVAL ...
-#define SHMT_ENOHASH ...
-#define SHMT_TREE_CHUNK_NBYTES ...
-#define SHMT_FUSED_BLOCK_NBYTES ...
-#define SHMT_NT_MIN_NBYTES ...
-struct XXH3_state_s;
-int32_t shmt_have_xxh3(void);
-int32_t shmt_xxh_link_mode(void);
-int32_t shmt_xxh3_128(const uint8_t *buf, uint64_t nbytes, uint8_t *out, uint64_t out_nbytes);
-int32_t shmt_xxh3_stream_reset(struct XXH3_state_s *state);
-int32_t shmt_xxh3_stream_update(struct XXH3_state_s *state, const uint8_t *buf, uint64_t nbytes);
-int32_t shmt_xxh3_stream_copy_update(struct XXH3_state_s *state, uint8_t *dst, uint64_t dst_nbytes,
-                                     const uint8_t *src, uint64_t src_nbytes);
-int32_t shmt_xxh3_stream_digest(struct XXH3_state_s *state, uint8_t *out, uint64_t out_nbytes);
-int32_t shmt_tree_leaves(const uint8_t *buf, uint64_t nbytes, uint64_t first, uint64_t last,
-                         uint8_t *out, uint64_t out_nbytes);
-int32_t shmt_copy_tree_leaves(struct XXH3_state_s *state, uint8_t *dst, uint64_t dst_nbytes,
-                              const uint8_t *src, uint64_t src_nbytes, uint8_t *out, uint64_t out_nbytes);
-int32_t shmt_copy(uint8_t *dst, uint64_t dst_nbytes, const uint8_t *src, uint64_t src_nbytes);
-int32_t shmt_mask_pack(const uint8_t *bools, uint64_t nbits, uint8_t *out, uint64_t out_nbytes);
-int32_t shmt_mask_unpack(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
-                         uint8_t *out, uint64_t out_nbytes);
-int64_t shmt_mask_popcount(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits);
-int64_t shmt_mask_count_runs(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits);
-int32_t shmt_mask_indices(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
-                          int64_t *out, uint64_t out_len);
-int32_t shmt_mask_runs(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
-                       int64_t *out, uint64_t out_len);
-int32_t shmt_mask_cumsum(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
-                         int64_t *out, uint64_t out_len);
-int32_t shmt_mask_window(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
-                         uint64_t start, uint64_t end, int64_t *out, uint64_t out_len);
-"""
+def _cdef_from_header(path: pathlib.Path) -> str:
+    """The header's declarations in cffi's cdef dialect: its SHMT_ constants become ``...``
+    (cffi reads their values from the compiled module), other preprocessor lines are dropped."""
+    lines = []
+    for line in path.read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["#define"] and words[1].startswith("SHMT_") and len(words) > 2:
+            if words[1] != "SHMT_HAVE_XXH3":
+                lines.append(f"#define {words[1]} ...")
+        elif not line.lstrip().startswith("#"):
+            lines.append(line)
+    return "\n".join(lines) + "\nint32_t shmt_xxh_link_mode(void);\n"
+
+
+_CDEF = _cdef_from_header(HERE / "shmt_kernels.h")
 # The streaming state is allocated by the Python wrapper, never inside a kernel.
 _CDEF_STATE = """
 struct XXH3_state_s *XXH3_createState(void);
