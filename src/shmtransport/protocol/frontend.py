@@ -1,0 +1,268 @@
+"""Frontend side: ``FeatureItem`` list -> typed ``MultimodalRequest`` (+ Dynamo routing metadata).
+
+Tensors go into shared memory with ONE copy (``Producer.put_many(hash=True)``: the per-tensor
+XXH3-128 tree digest is fused into that copy), and each item's identity is ``identity.combine``
+over those per-tensor digests, so nothing is hashed twice. Tensors already in shared memory
+(``client.Handle`` from loan -> commit with ``hash=True``) are referenced, not copied.
+
+Transport modes: ``"shm"`` (default; TensorData.shm handles), ``"inline"`` (TensorData.inline raw
+bytes) and ``"msgpack"`` (vLLM's kwargs MessagePack in ``kwargs_msgpack``; the only mode for the
+``grpc-mm`` scheme). The inline modes keep vLLM's 64 items / 16 MiB limits.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..client import Handle, Producer
+from ..errors import IdentityMismatch, InvalidArgument
+from ..identity import cache_identifier, combine, grpc_mm_identity, tensor_digest
+from ..tensors import DTYPES, as_byte_array, to_torch
+from ..v1 import features_pb2 as fpb
+from . import routing
+from .envelope import decode_envelope
+from .items import SCHEME_TO_PB, FeatureItem, modality_to_pb
+from .limits import DEFAULT_LIMITS, U32_MAX, Limits
+from .msgpack_kwargs import encode_kwargs_item
+from .validate import check_modality_name, check_placeholders, check_uuid, limit_exceeded
+
+MODES = ("shm", "inline", "msgpack")
+
+__all__ = ["BuiltRequest", "build_request", "request_from_envelope", "routing_metadata", "placeholder_to_proto",
+           "placeholder_to_json", "MODES"]
+
+
+class BuiltRequest:
+    """The typed request plus the producer references behind its shm tensors.
+
+    Keep it until the worker has acquired (or the response stream ended), then ``release()``
+    (or use it as a context manager); the worker's leases keep the bytes alive after that."""
+
+    def __init__(self, request: fpb.MultimodalRequest, producer: Producer | None, handles: list[Handle]):
+        self.request = request
+        self._producer = producer
+        self.handles = handles
+
+    def release(self) -> None:
+        if self.handles and self._producer is not None:
+            handles, self.handles = self.handles, []
+            self._producer.release(handles)
+
+    def __enter__(self) -> "BuiltRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def placeholder_to_proto(p) -> fpb.PlaceholderRange:
+    if p.offset + p.length > U32_MAX:
+        raise InvalidArgument(f"placeholder [{p.offset}, {p.offset + p.length}) does not fit uint32 positions")
+    msg = fpb.PlaceholderRange(offset=p.offset, length=p.length)
+    if p.is_embed is not None:
+        msg.is_embed = p.is_embed.packed
+        msg.is_embed_nbits = p.is_embed.nbits
+    return msg
+
+
+def placeholder_to_json(msg: fpb.PlaceholderRange) -> Any:
+    """Dynamo's ``_serialize_mm_placeholder``: ``[offset, length]`` when dense, else the object."""
+    if not msg.HasField("is_embed_nbits"):
+        return [msg.offset, msg.length]
+    from ..embedmask import EmbedMask
+
+    bools = EmbedMask(msg.is_embed, msg.is_embed_nbits).to_bools()
+    return {"offset": msg.offset, "length": msg.length, "is_embed": [bool(b) for b in bools]}
+
+
+def _source(key: str, value: Any):
+    """(shaped array or torch tensor for put, flat uint8 bytes, dtype, shape) of a tensor-like."""
+    if isinstance(value, tuple):
+        dtype, shape, buf = value
+        if dtype not in DTYPES:
+            raise InvalidArgument(f"{key}: dtype {dtype!r} is not one of vLLM's {len(DTYPES)} dtypes")
+        flat = np.frombuffer(buf, dtype=np.uint8)
+        arr = flat.view(DTYPES[dtype]).reshape(shape)
+        shaped = to_torch(arr, "bfloat16") if dtype == "bfloat16" else arr
+        return shaped, flat, dtype, tuple(shape)
+    flat, dtype, shape = as_byte_array(value)
+    return value, flat, dtype, shape
+
+
+def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, scheme: str = "xxh3-128",
+                  adapter: str | None = None, prompt_len: int | None = None, mode: str = "shm",
+                  with_markers: bool = False, limits: Limits = DEFAULT_LIMITS) -> BuiltRequest:
+    """Typed request from items (grouped into one batch per modality, first-seen order).
+
+    ``with_markers`` sets each item's routing marker; an item's own ``routing_marker`` / ``mm_hash``
+    (from an envelope) is verified against the recomputed identity (IdentityMismatch)."""
+    if mode not in MODES:
+        raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
+    if scheme not in SCHEME_TO_PB:
+        raise InvalidArgument(f"unknown identity scheme {scheme!r}")
+    if scheme == "grpc-mm" and mode != "msgpack":
+        raise InvalidArgument("the grpc-mm identity is defined over kwargs MessagePack: use mode='msgpack'")
+    if mode == "shm" and producer is None:
+        raise InvalidArgument("mode='shm' needs a Producer")
+    if adapter:
+        check_uuid(adapter, "adapter")
+    if not items:
+        raise InvalidArgument("no items")
+    limit_name, limit = ("max_items", limits.max_items) if mode == "shm" else ("max_inline_items",
+                                                                               limits.max_inline_items)
+    if len(items) > limit:
+        raise limit_exceeded(limit_name, len(items), limit)
+    for it in items:
+        check_modality_name(it.modality, limits)
+        if not it.kwargs and not (it.kwargs_msgpack and mode == "msgpack"):
+            raise InvalidArgument(f"{it.modality}: an item without kwargs cannot be built")
+    check_placeholders([(it.modality, i, it.placeholder.offset, it.placeholder.length)
+                        for i, it in enumerate(items)], prompt_len)
+
+    # -- tensors: one put_many for the whole request (one Loan RPC, one copy per tensor) ------------
+    sources: list[tuple[int, str, Any]] = []  # (item index, key, source tuple)
+    shm_index: dict[tuple[int, str], int] = {}
+    to_put = []
+    total = 0
+    for i, it in enumerate(items):
+        if mode == "msgpack":
+            continue
+        for key in sorted(it.kwargs):
+            value = it.kwargs[key]
+            if isinstance(value, Handle):
+                sources.append((i, key, value))
+                continue
+            src = _source(key, value)
+            total += src[1].nbytes
+            sources.append((i, key, src))
+            if mode == "shm":
+                shm_index[(i, key)] = len(to_put)
+                to_put.append(src[0])
+    if mode == "inline" and total > limits.max_inline_bytes:
+        raise limit_exceeded("max_inline_bytes", total, limits.max_inline_bytes)
+    if mode == "shm" and limits.max_shm_bytes is not None and total > limits.max_shm_bytes:
+        raise limit_exceeded("max_shm_bytes", total, limits.max_shm_bytes)
+    put = producer.put_many(to_put, hash=scheme == "xxh3-128") if to_put else []
+    try:
+        request = _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode, with_markers, limits)
+    except BaseException:
+        if put:
+            producer.release(put)
+        raise
+    return BuiltRequest(request, producer, put)
+
+
+def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode, with_markers, limits):
+    tensors: dict[int, dict[str, fpb.TensorData]] = {}
+    entries: dict[int, list] = {}
+    for i, key, src in sources:
+        if isinstance(src, Handle):
+            if scheme == "xxh3-128" and not src.digest:
+                raise InvalidArgument(f"{key}: handle carries no digest: commit the loan with hash=True")
+            if scheme != "xxh3-128":
+                raise InvalidArgument(f"{key}: referenced handles carry XXH3-128 digests; scheme {scheme!r} "
+                                      f"needs the tensor")
+            td = fpb.TensorData(shape=src.shape, dtype=src.dtype, shm=src.shm, digest=src.digest,
+                                commit_token=src.commit_token)
+            digest, dtype, shape = src.digest, src.dtype, src.shape
+            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize  # 0-size: handle has 1 byte
+        else:
+            _, flat, dtype, shape = src
+            nbytes = flat.nbytes
+            if mode == "shm":
+                h = put[shm_index[(i, key)]]
+                digest = h.digest if scheme == "xxh3-128" else tensor_digest(scheme, flat)
+                td = fpb.TensorData(shape=shape, dtype=dtype, shm=h.shm, digest=digest, commit_token=h.commit_token)
+            else:
+                digest = tensor_digest(scheme, flat)
+                td = fpb.TensorData(shape=shape, dtype=dtype, inline=flat.tobytes(), digest=digest)
+        tensors.setdefault(i, {})[key] = td
+        entries.setdefault(i, []).append((key, dtype, shape, nbytes, digest))
+
+    request = fpb.MultimodalRequest(prompt_len=prompt_len or 0)
+    batches: dict[str, fpb.MultimodalInputs] = {}
+    inline_bytes = 0
+    for i, it in enumerate(items):
+        batch = batches.get(it.modality)
+        if batch is None:
+            batch = batches[it.modality] = request.batches.add(
+                modality=modality_to_pb(it.modality), identity_scheme=SCHEME_TO_PB[scheme], adapter=adapter or "")
+        msg = batch.items.add(placeholder=placeholder_to_proto(it.placeholder))
+        if mode == "msgpack":
+            raw = it.kwargs_msgpack if it.kwargs_msgpack is not None else encode_kwargs_item(it.kwargs, it.fields)
+            inline_bytes += len(raw)
+            if inline_bytes > limits.max_inline_bytes:
+                raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes)
+            msg.kwargs_msgpack = raw
+            if scheme == "grpc-mm":
+                identity = grpc_mm_identity(it.modality, raw)
+            else:
+                from .msgpack_kwargs import decode_kwargs_item
+
+                decoded = decode_kwargs_item(raw, limits)
+                identity = combine(scheme, it.modality, [(k, d, s, memoryview(b).nbytes, tensor_digest(scheme, b))
+                                                         for k, (d, s, b) in decoded.tensors.items()])
+        else:
+            for key, td in tensors[i].items():
+                kw = msg.kwargs[key]
+                kw.tensor.CopyFrom(td)
+                kw.field.CopyFrom(it.field(key).to_proto())
+            identity = combine(scheme, it.modality, entries[i])
+        where = f"{it.modality} item {i}"
+        if it.mm_hash is not None and it.mm_hash != identity:
+            raise IdentityMismatch(f"{where}: producer mm_hash {it.mm_hash} != content identity {identity}")
+        if it.routing_marker is not None:
+            routing.check_marker_matches(it.routing_marker, identity, where)
+        msg.mm_hash = identity
+        msg.cache_identifier = cache_identifier(identity, adapter)
+        if with_markers or it.routing_marker is not None:
+            msg.routing_marker = routing.routing_marker(identity)
+        batch.mm_hashes.append(identity)
+        batch.mm_placeholders.append(msg.placeholder)
+        keep = sorted(k for k in it.kwargs if it.field(k).keep_on_cpu)
+        for k in sorted(it.kwargs):
+            f = it.field(k)
+            if f.kind == "batched" and k not in batch.batched_keys:
+                batch.batched_keys.append(k)
+        for k in keep:
+            if k not in batch.keep_on_cpu_keys:
+                batch.keep_on_cpu_keys.append(k)
+    return request
+
+
+def request_from_envelope(producer: Producer | None, features: Any, *, prompt_len: int | None = None,
+                          routing_markers: Sequence[str] | None = None, has_raw_media: bool = False,
+                          scheme: str = "xxh3-128", adapter: str | None = None, mode: str = "shm",
+                          limits: Limits = DEFAULT_LIMITS) -> BuiltRequest:
+    """Decode + validate a ``vllm_tito.features`` envelope, then build the typed request (tensors
+    copied once into shared memory with the identity fused)."""
+    items = decode_envelope(features, prompt_len=prompt_len, routing_markers=routing_markers,
+                            has_raw_media=has_raw_media, limits=limits)
+    if not items:
+        raise InvalidArgument("no preprocessed features")
+    return build_request(producer, items, scheme=scheme, adapter=adapter, prompt_len=prompt_len, mode=mode,
+                         limits=limits)
+
+
+def routing_metadata(request: fpb.MultimodalRequest) -> dict[str, Any]:
+    """``extra_args`` routing metadata as Dynamo's frontend emits it (``vllm_processor.py``):
+    ``mm_hashes_by_modality`` / ``mm_placeholders_by_modality`` always; the legacy flat
+    ``mm_hashes`` / ``mm_placeholders`` ONLY when the request is image-only (otherwise the keys are
+    absent). Items without an mm_hash are skipped."""
+    from .items import modality_from_pb
+
+    hashes: dict[str, list[str]] = {}
+    placeholders: dict[str, list[Any]] = {}
+    for batch in request.batches:
+        modality = modality_from_pb(batch.modality)
+        for it in batch.items:
+            if not it.mm_hash:
+                continue
+            hashes.setdefault(modality, []).append(it.mm_hash)
+            placeholders.setdefault(modality, []).append(placeholder_to_json(it.placeholder))
+    out: dict[str, Any] = {"mm_hashes_by_modality": hashes, "mm_placeholders_by_modality": placeholders}
+    if set(hashes) == {"image"}:
+        out["mm_hashes"] = list(hashes["image"])
+        out["mm_placeholders"] = list(placeholders["image"])
+    return out

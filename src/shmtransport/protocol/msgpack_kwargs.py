@@ -1,0 +1,254 @@
+"""vLLM's MessagePack encoding of one ``MultiModalKwargsItem`` (protocol-facts 3.3, 3.4), safely.
+
+Wire layout (vLLM ``MsgpackEncoder``, map form that vLLM's Rust gateway accepts)::
+
+    {key: {"data": [dtype, shape, Ext(3, raw little-endian bytes)],
+           "field": ["batched", {keep_on_cpu}] | ["flat", {keep_on_cpu, slices, dim}]
+                    | ["shared", {batch_size, keep_on_cpu}]}}
+
+Decoding runs a structural preflight over the raw bytes first (depth, node count, reserved 0xC1,
+truncation, trailing bytes: the checks of vLLM's gateway), then ``msgpack.unpackb`` with an
+``ext_hook`` that accepts only ext type 3 (RAW_VIEW). Pickle exts (1, 2) and aux-frame index
+references are rejected; nothing is ever unpickled. Only tensor data is accepted (no scalar or
+nested-list kwargs).
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Mapping
+
+import msgpack
+
+from ..errors import InvalidArgument
+from ..tensors import DTYPE_ITEMSIZE, as_byte_array
+from .limits import DEFAULT_LIMITS, Limits
+from .items import FIELD_KINDS, FieldConfig
+
+EXT_RAW_VIEW = 3
+
+__all__ = ["preflight", "decode_kwargs_item", "encode_kwargs_item", "DecodedKwargs", "EXT_RAW_VIEW"]
+
+# Fixed-size payloads after a marker byte: marker -> bytes to skip.
+_FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,
+          0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+# Length-prefixed payloads: marker -> (length-field bytes, extra bytes after the length (ext type)).
+_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
+          0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}
+_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+_UINT = {1: "B", 2: ">H", 4: ">I"}
+
+
+def _bad(msg: str) -> InvalidArgument:
+    return InvalidArgument(f"kwargs MessagePack: {msg}")
+
+
+def preflight(buf: Any, limits: Limits = DEFAULT_LIMITS) -> int:
+    """Walk the structure without building it: exactly one value, depth <= limits.msgpack_max_depth,
+    <= limits.msgpack_max_nodes values, no reserved 0xC1, no truncation, no trailing bytes.
+    Returns the node count. Cost is per node, not per byte (payloads are skipped)."""
+    mv = memoryview(buf).cast("B")
+    n = mv.nbytes
+    if n == 0:
+        raise _bad("empty payload")
+    pos = nodes = 0
+    stack: list[int] = []  # children still expected by each open container
+    while True:
+        if pos >= n:
+            raise _bad("truncated")
+        b = mv[pos]
+        pos += 1
+        nodes += 1
+        if nodes > limits.msgpack_max_nodes:
+            raise _bad(f"more than {limits.msgpack_max_nodes} nodes")
+        children = -1  # -1: not a container
+        if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+            pass
+        elif b <= 0x8F:
+            children = 2 * (b & 0x0F)
+        elif b <= 0x9F:
+            children = b & 0x0F
+        elif b <= 0xBF:
+            pos += b & 0x1F
+        elif b == 0xC1:
+            raise _bad("reserved marker 0xC1")
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            if pos + width > n:
+                raise _bad("truncated")
+            (size,) = struct.unpack_from(_UINT[width], mv, pos)
+            pos += width + extra + size
+        else:  # array16/32, map16/32
+            width, mult = _CONTAINERS[b]
+            if pos + width > n:
+                raise _bad("truncated")
+            (count,) = struct.unpack_from(_UINT[width], mv, pos)
+            pos += width
+            children = mult * count
+        if pos > n:
+            raise _bad("truncated")
+        if stack:
+            stack[-1] -= 1
+        if children >= 0:
+            if len(stack) + 1 > limits.msgpack_max_depth:
+                raise _bad(f"nesting deeper than {limits.msgpack_max_depth}")
+            if children > n - pos:  # every child needs at least one byte
+                raise _bad("truncated")
+            if children:
+                stack.append(children)
+        while stack and stack[-1] == 0:
+            stack.pop()
+        if not stack:
+            break
+    if pos != n:
+        raise _bad(f"{n - pos} trailing bytes after the item")
+    return nodes
+
+
+class _ExtError(Exception):
+    pass
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != EXT_RAW_VIEW:
+        raise _ExtError(f"ext type {code} is not allowed (only {EXT_RAW_VIEW}, raw tensor bytes; "
+                        f"pickle is never accepted)")
+    return memoryview(data)
+
+
+class DecodedKwargs:
+    """One decoded kwargs item: ``tensors[key] = (dtype, shape, bytes-like)`` (the identity module's
+    tuple form) and ``fields[key] = FieldConfig``; ``raw`` is the exact MessagePack bytes."""
+
+    __slots__ = ("tensors", "fields", "raw")
+
+    def __init__(self, tensors: dict, fields: dict, raw: bytes):
+        self.tensors = tensors
+        self.fields = fields
+        self.raw = raw
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(t[2]).nbytes for t in self.tensors.values())
+
+
+def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwargs:
+    try:
+        raw = bytes(memoryview(raw).cast("B")) if not isinstance(raw, bytes) else raw
+    except TypeError:
+        raise _bad(f"payload must be bytes, got {type(raw).__name__}") from None
+    preflight(raw, limits)
+    try:
+        obj = msgpack.unpackb(raw, raw=False, ext_hook=_ext_hook, strict_map_key=False, use_list=True)
+    except _ExtError as exc:
+        raise _bad(str(exc)) from None
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise _bad(f"malformed ({type(exc).__name__}: {exc})") from None
+    if not isinstance(obj, dict):
+        raise _bad(f"an item must be a map of key -> field element, got {type(obj).__name__}")
+    if not 1 <= len(obj) <= limits.max_fields:
+        raise _bad(f"an item must have 1..{limits.max_fields} fields, got {len(obj)}")
+    tensors: dict[str, tuple] = {}
+    fields: dict[str, FieldConfig] = {}
+    for key, elem in obj.items():
+        if not isinstance(key, str) or not 1 <= len(key.encode()) <= limits.max_key_bytes:
+            raise _bad(f"field key must be a str of 1..{limits.max_key_bytes} bytes, got {key!r:.80}")
+        if not isinstance(elem, dict) or set(elem) != {"data", "field"}:
+            raise _bad(f"field {key!r} must be a map with exactly 'data' and 'field'")
+        dtype, shape, data = _tensor(key, elem["data"], limits)
+        tensors[key] = (dtype, shape, data)
+        fields[key] = _field(key, elem["field"], len(shape))
+    return DecodedKwargs(tensors, fields, raw)
+
+
+def _tensor(key: str, data: Any, limits: Limits) -> tuple[str, tuple[int, ...], memoryview]:
+    if data is None:
+        raise _bad(f"field {key!r} carries no data (cache-only elements are not accepted inline)")
+    if not (isinstance(data, list) and len(data) == 3 and isinstance(data[0], str)):
+        raise _bad(f"field {key!r}: only tensor data [dtype, shape, Ext(3)] is supported")
+    dtype, shape, payload = data
+    if dtype not in DTYPE_ITEMSIZE:
+        raise _bad(f"field {key!r}: dtype {dtype!r} is not one of vLLM's {len(DTYPE_ITEMSIZE)} dtypes")
+    if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise _bad(f"field {key!r}: shape must be a list of non-negative ints")
+    if len(shape) > limits.max_rank:
+        raise _bad(f"field {key!r}: rank {len(shape)} exceeds {limits.max_rank}")
+    if isinstance(payload, int) and not isinstance(payload, bool):
+        raise _bad(f"field {key!r}: aux-frame index reference; inline tensor data is required")
+    if not isinstance(payload, memoryview):
+        raise _bad(f"field {key!r}: tensor data must be Ext({EXT_RAW_VIEW}, bytes)")
+    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    if payload.nbytes != expected:
+        raise _bad(f"field {key!r}: {payload.nbytes} bytes but {dtype}{shape} needs {expected}")
+    return dtype, tuple(shape), payload
+
+
+def _opt_int(v: Any, what: str) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"{what} must be an int or nil, got {v!r}")
+    return v
+
+
+def _slice(entry: Any, key: str) -> slice:
+    if not (isinstance(entry, list) and len(entry) == 3):
+        raise _bad(f"field {key!r}: a slice must be [start, stop, step]")
+    start, stop, step = (_opt_int(v, f"field {key!r} slice bound") for v in entry)
+    if step == 0:
+        raise _bad(f"field {key!r}: slice step must not be 0")
+    return slice(start, stop, step)
+
+
+def _field(key: str, field: Any, rank: int) -> FieldConfig:
+    if not (isinstance(field, list) and len(field) == 2 and isinstance(field[0], str) and isinstance(field[1], dict)):
+        raise _bad(f"field {key!r}: field must be [name, {{kwargs}}]")
+    name, kw = field
+    if name not in FIELD_KINDS:
+        raise _bad(f"field {key!r}: unknown field kind {name!r}")
+    allowed = {"batched": {"keep_on_cpu"}, "flat": {"keep_on_cpu", "slices", "dim"},
+               "shared": {"keep_on_cpu", "batch_size"}}[name]
+    if not set(kw) <= allowed:
+        raise _bad(f"field {key!r}: unknown {name} field options {sorted(set(kw) - allowed)}")
+    keep = kw.get("keep_on_cpu", False)
+    if not isinstance(keep, bool):
+        raise _bad(f"field {key!r}: keep_on_cpu must be a bool")
+    if name == "batched":
+        return FieldConfig("batched", keep)
+    if name == "shared":
+        bs = kw.get("batch_size")
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise _bad(f"field {key!r}: shared batch_size must be a positive int")
+        return FieldConfig("shared", keep, batch_size=bs)
+    dim = kw.get("dim", 0)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -max(rank, 1) <= dim < max(rank, 1):
+        raise _bad(f"field {key!r}: flat dim {dim!r} outside the tensor's rank {rank}")
+    slices = kw.get("slices")
+    if not isinstance(slices, list):
+        raise _bad(f"field {key!r}: flat slices must be a list")
+    out = []
+    for entry in slices:
+        if isinstance(entry, list) and entry and all(isinstance(e, list) for e in entry):
+            out.append(tuple(_slice(e, key) for e in entry))
+        else:
+            out.append(_slice(entry, key))
+    return FieldConfig("flat", keep, tuple(out), dim)
+
+
+def encode_kwargs_item(tensors: Mapping[str, Any], fields: Mapping[str, FieldConfig] | None = None) -> bytes:
+    """vLLM's inline MessagePack of one kwargs item (keys sorted, all tensor data as Ext(3))."""
+    fields = fields or {}
+    item = {}
+    for key in sorted(tensors):
+        value = tensors[key]
+        if isinstance(value, tuple):
+            dtype, shape, buf = value
+            data = bytes(memoryview(buf).cast("B"))
+        else:
+            flat, dtype, shape = as_byte_array(value)
+            data = flat.tobytes()
+        item[key] = {"data": [dtype, list(shape), msgpack.ExtType(EXT_RAW_VIEW, data)],
+                     "field": (fields.get(key) or FieldConfig()).to_wire()}
+    return msgpack.packb(item, use_bin_type=True)

@@ -1,0 +1,220 @@
+"""Worker side: typed ``MultimodalRequest`` -> engine-ready inputs, verified before execution.
+
+``open_request`` validates the request (``validate.validate_request``), leases every shm tensor in
+one Acquire, recomputes each item's identity from the leased bytes with the frontend's code
+(``identity.tensor_digest`` + ``combine``; ``grpc_mm_identity`` for grpc-mm items) and rejects a
+mismatch (IdentityMismatch) or a routing marker that does not match the payload, all before it
+returns anything to execute. Kwargs tensors are zero-copy torch views of the leases.
+
+The leases are released by ``EngineInputs.consumed()`` (or leaving its ``with`` block) once the
+engine has consumed the tensors, and on every error path of ``open_request``.
+
+``multi_modal_uuids`` are keyed by backend modality (``image`` -> ``vision_chunk`` with
+``unified_vision``); modalities without any UUID are omitted. An item without an mm_hash gets a
+fallback UUID ``"shmtransport-fallback:" + identity`` computed on the worker in aggregated mode
+only (the prefix is not a scheme name and not hex, so it never equals a content identity); in
+disaggregated mode it has no UUID.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..client import Consumer
+from ..embedmask import PlaceholderRange
+from ..errors import IdentityMismatch, InvalidArgument
+from ..identity import combine, grpc_mm_identity, tensor_digest
+from ..tensors import DTYPES, to_torch
+from ..v1 import features_pb2 as fpb
+from . import routing
+from .items import FieldConfig
+from .limits import DEFAULT_LIMITS, Limits
+from .validate import CheckedRequest, validate_request
+
+FALLBACK_UUID_PREFIX = "shmtransport-fallback:"
+VERIFY = ("always", "never")
+MODES = ("aggregated", "disaggregated")
+
+__all__ = ["EnginePlaceholder", "EngineInputs", "open_request", "backend_modality", "forwarded_uuids",
+           "FALLBACK_UUID_PREFIX"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlaceholder:
+    """vLLM's PlaceholderRange as the engine takes it: ``is_embed`` a torch.bool tensor (or None =
+    dense); ``range`` keeps the packed mask with vLLM's semantics (num_embeds, cumsum, windows)."""
+
+    range: PlaceholderRange
+    is_embed: Any  # torch.Tensor (bool, shape (length,)) | None
+
+    @property
+    def offset(self) -> int:
+        return self.range.offset
+
+    @property
+    def length(self) -> int:
+        return self.range.length
+
+    def get_num_embeds(self) -> int:
+        return self.range.get_num_embeds()
+
+
+def backend_modality(modality: str, unified_vision: bool = False) -> str:
+    return "vision_chunk" if unified_vision and modality == "image" else modality
+
+
+class EngineInputs:
+    """Engine-ready multimodal inputs of one request, keyed by modality. Holds the leases."""
+
+    def __init__(self, consumer: Consumer | None, leases: list):
+        self._consumer = consumer
+        self._leases = leases
+        self.mm_kwargs: dict[str, list[dict[str, Any]]] = {}
+        self.mm_fields: dict[str, list[dict[str, FieldConfig]]] = {}
+        self.mm_hashes: dict[str, list[str]] = {}
+        self.mm_identifiers: dict[str, list[str]] = {}
+        self.mm_placeholders: dict[str, list[EnginePlaceholder]] = {}
+        self.identities: dict[str, list[str]] = {}  # recomputed (verify="always") or as sent
+        self.routing_markers: dict[str, list[str | None]] = {}
+        self.multi_modal_uuids: dict[str, list[str | None]] = {}
+
+    @property
+    def leases(self) -> list:
+        return list(self._leases)
+
+    def engine_prompt(self, prompt_token_ids: list[int]) -> dict[str, Any]:
+        """The input Dynamo hands vLLM (``{"type": "multimodal", ...}``)."""
+        return {"type": "multimodal", "prompt_token_ids": list(prompt_token_ids), "mm_kwargs": self.mm_kwargs,
+                "mm_hashes": self.mm_hashes, "mm_placeholders": self.mm_placeholders}
+
+    def consumed(self) -> None:
+        """The engine has consumed the tensors: drop our views and release every lease."""
+        self.mm_kwargs = {}
+        leases, self._leases = self._leases, []
+        if leases and self._consumer is not None:
+            self._consumer.release_many(leases)
+
+    def __enter__(self) -> "EngineInputs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.consumed()
+
+    def __del__(self):
+        if getattr(self, "_leases", None):
+            try:
+                self.consumed()
+            except Exception:
+                pass
+
+
+def _mask_tensor(p: PlaceholderRange):
+    import torch
+
+    if p.is_embed is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(p.is_embed.to_bools(), dtype=np.bool_))
+
+
+def open_request(consumer: Consumer | None, request: fpb.MultimodalRequest, *, verify: str = "always",
+                 mode: str = "aggregated", unified_vision: bool = False, prompt_len: int | None = None,
+                 limits: Limits = DEFAULT_LIMITS, ttl_ms: int = 0) -> EngineInputs:
+    if verify not in VERIFY:
+        raise InvalidArgument(f"verify must be one of {VERIFY}, got {verify!r}")
+    if mode not in MODES:
+        raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
+    checked = validate_request(request, limits, prompt_len)
+    if checked.raw_media:
+        raise InvalidArgument("raw media is not preprocessed features: it takes the worker's processing path")
+    shm = [(m, it.index, key, t) for m, it in checked.items for key, t in it.tensors.items() if t.kind == "shm"]
+    if shm and consumer is None:
+        raise InvalidArgument("shared-memory tensors need a Consumer")
+    leases = consumer.acquire_many([t.source for *_, t in shm], ttl_ms=ttl_ms) if shm else []
+    out = EngineInputs(consumer, leases)
+    try:
+        _fill(out, checked, {(m, i, k): lease for (m, i, k, _), lease in zip(shm, leases)}, verify, mode,
+              unified_vision)
+    except BaseException:
+        out.consumed()
+        raise
+    return out
+
+
+def _fill(out: EngineInputs, checked: CheckedRequest, lease_of: dict, verify: str, mode: str,
+          unified_vision: bool) -> None:
+    for batch in checked.batches:
+        modality = batch.modality
+        for it in batch.items:
+            arrays: dict[str, np.ndarray] = {}
+            try:
+                _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision)
+            finally:
+                arrays.clear()  # a traceback must not keep lease views alive (it would defer release)
+    out.multi_modal_uuids = {m: u for m, u in out.multi_modal_uuids.items() if any(x is not None for x in u)}
+
+
+def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision) -> None:
+    modality = batch.modality
+    where = f"{modality}[{it.index}]"
+    for key, t in it.tensors.items():
+        if t.kind == "shm":
+            arrays[key] = lease_of[(modality, it.index, key)].array
+        else:
+            arrays[key] = np.frombuffer(t.source, dtype=DTYPES[t.dtype]).reshape(t.shape)
+    identity = it.mm_hash
+    needs_identity = verify == "always" or (not it.mm_hash and mode == "aggregated")
+    if needs_identity and (it.tensors or it.msgpack is not None):
+        if batch.scheme == "grpc-mm":
+            identity = grpc_mm_identity(modality, it.msgpack.raw)
+        else:
+            entries = []
+            for key, t in it.tensors.items():
+                digest = tensor_digest(batch.scheme, arrays[key].reshape(-1).view(np.uint8))
+                sent = t.source.digest if t.kind == "shm" else b""
+                if verify == "always" and sent and sent != digest:
+                    raise IdentityMismatch(f"{where}.{key}: content digest does not match shared memory")
+                entries.append((key, t.dtype, t.shape, t.nbytes, digest))
+            identity = combine(batch.scheme, modality, entries)
+        if verify == "always" and it.mm_hash and identity != it.mm_hash:
+            raise IdentityMismatch(f"{where}: payload identity {identity} != mm_hash {it.mm_hash}")
+    if it.routing_marker is not None and identity:
+        routing.check_marker_matches(it.routing_marker, identity, where)
+    out.mm_kwargs.setdefault(modality, []).append({k: to_torch(a, it.tensors[k].dtype)
+                                                  for k, a in arrays.items()})
+    out.mm_fields.setdefault(modality, []).append(dict(it.fields))
+    out.mm_hashes.setdefault(modality, []).append(it.mm_hash or identity)
+    out.mm_identifiers.setdefault(modality, []).append(it.cache_identifier)
+    out.mm_placeholders.setdefault(modality, []).append(EnginePlaceholder(it.placeholder,
+                                                                          _mask_tensor(it.placeholder)))
+    out.identities.setdefault(modality, []).append(identity)
+    out.routing_markers.setdefault(modality, []).append(it.routing_marker)
+    if it.mm_hash:
+        uuid = it.mm_hash
+    elif mode == "aggregated" and identity:
+        uuid = FALLBACK_UUID_PREFIX + identity
+    else:
+        uuid = None
+    out.multi_modal_uuids.setdefault(backend_modality(modality, unified_vision), []).append(uuid)
+
+
+def forwarded_uuids(extra_args: Mapping[str, Any], unified_vision: bool = False) -> dict[str, list[str]]:
+    """Dynamo's ``_build_forwarded_mm_uuids`` over routing metadata: ``mm_hashes_by_modality`` when
+    present, else the legacy flat ``mm_hashes`` as image (only image); modalities without any
+    UUID are omitted. UUIDs are validated (no '.', '..', '/', '\\', NUL)."""
+    from .validate import check_uuid
+
+    grouped = extra_args.get("mm_hashes_by_modality") or {}
+    if not isinstance(grouped, Mapping):
+        raise InvalidArgument("mm_hashes_by_modality must be an object")
+    if not grouped and extra_args.get("mm_hashes"):
+        grouped = {"image": extra_args["mm_hashes"]}
+    out: dict[str, list[str]] = {}
+    for modality, hashes in grouped.items():
+        if not isinstance(hashes, list):
+            raise InvalidArgument(f"mm_hashes_by_modality[{modality!r}] must be a list")
+        uuids = [check_uuid(h, "multi_modal_uuid") for h in hashes if h]
+        if uuids:
+            out[backend_modality(modality, unified_vision)] = uuids
+    return out

@@ -1,0 +1,140 @@
+"""Issue 4: the vllm_tito.features envelope, vLLM's kwargs MessagePack, routing markers and metadata."""
+from __future__ import annotations
+
+import base64
+import json
+
+import msgpack
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmtransport.embedmask import EmbedMask, PlaceholderRange
+from shmtransport.errors import IdentityMismatch, Reason
+from shmtransport.identity import grpc_mm_identity, item_identity
+from shmtransport.protocol import frontend, routing, worker
+from shmtransport.protocol.items import FeatureItem, FieldConfig
+from shmtransport.protocol.msgpack_kwargs import decode_kwargs_item, encode_kwargs_item, preflight
+
+
+def test_decodes_vllm_reference_bytes():
+    """The exact bytes vLLM's MsgpackEncoder emits (protocol-facts 3.3)."""
+    raw = msgpack.packb({"pixel_values": {"data": ["float32", [2], msgpack.ExtType(3, np.float32([1, 2]).tobytes())],
+                                          "field": ["flat", {"keep_on_cpu": False, "slices": [[0, 2, None]],
+                                                             "dim": 0}]}}, use_bin_type=True)
+    d = decode_kwargs_item(raw)
+    dtype, shape, data = d.tensors["pixel_values"]
+    assert (dtype, shape) == ("float32", (2,)) and np.frombuffer(data, np.float32).tolist() == [1, 2]
+    assert d.fields["pixel_values"] == FieldConfig("flat", False, (slice(0, 2, None),), 0)
+    assert encode_kwargs_item({"pixel_values": np.float32([1, 2])},
+                              {"pixel_values": FieldConfig("flat", slices=(slice(0, 2),))}) == raw
+
+
+_dtypes = st.sampled_from(["bool", "uint8", "int8", "float16", "bfloat16", "uint16", "int16", "float32", "uint32",
+                           "int32", "float64", "uint64", "int64"])
+_tensor = st.tuples(_dtypes, st.lists(st.integers(0, 3), max_size=3), st.randoms(use_true_random=False))
+
+
+def _mk(dtype, shape, rnd):
+    from shmtransport.tensors import DTYPE_ITEMSIZE
+
+    n = int(np.prod(shape, dtype=np.int64)) * DTYPE_ITEMSIZE[dtype]
+    raw = bytes(rnd.getrandbits(8) for _ in range(n))
+    if dtype == "bool":
+        raw = bytes(b & 1 for b in raw)
+    return (dtype, tuple(shape), raw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.text("abcxyz_", min_size=1, max_size=6), _tensor, min_size=1, max_size=4))
+def test_msgpack_round_trip_and_identity(spec):
+    tensors = {k: _mk(*v) for k, v in spec.items()}
+    raw = encode_kwargs_item(tensors)
+    assert preflight(raw) > 0
+    d = decode_kwargs_item(raw)
+    assert {k: (t[0], t[1], bytes(t[2])) for k, t in d.tensors.items()} == tensors
+    assert item_identity("audio", d.tensors) == item_identity("audio", tensors)
+
+
+def test_envelope_to_typed_request_and_identity_fused():
+    img = {"pixel_values": np.arange(12, dtype=np.float32).reshape(3, 4), "image_grid_thw": np.int64([[1, 2, 2]])}
+    env = {"mm_hashes": {"image": ["vllm-blake3-hash"]},
+           "mm_placeholders": {"image": [{"offset": 2, "length": 4, "is_embed": [False, True, True, False]}]},
+           "kwargs_data": {"image": [base64.b64encode(encode_kwargs_item(img)).decode()]}}
+    built = frontend.request_from_envelope(None, json.dumps(env), prompt_len=8, mode="inline")
+    item = built.request.batches[0].items[0]
+    assert item.mm_hash == item_identity("image", img)  # the producer's foreign hash is not trusted
+    assert item.placeholder.is_embed_nbits == 4 and item.placeholder.is_embed == bytes([0b01100000])
+
+
+def test_envelope_with_our_identity_is_verified():
+    img = {"x": np.zeros(3, np.uint8)}
+    good = item_identity("image", img)
+    env = {"mm_hashes": {"image": [good]}, "mm_placeholders": {"image": [[0, 1]]},
+           "kwargs_data": {"image": [base64.b64encode(encode_kwargs_item(img)).decode()]}}
+    frontend.request_from_envelope(None, env, mode="inline")
+    env["mm_hashes"]["image"] = ["xxh3-128:" + "0" * 32]
+    with pytest.raises(IdentityMismatch) as excinfo:
+        frontend.request_from_envelope(None, env, mode="inline")
+    assert excinfo.value.reason is Reason.IDENTITY_MISMATCH
+
+
+def test_grpc_mm_scheme_over_the_exact_msgpack_bytes():
+    raw = encode_kwargs_item({"pixel_values": np.ones(4, np.float16)})
+    items = [FeatureItem("image", {}, PlaceholderRange(0, 2), kwargs_msgpack=raw)]
+    req = frontend.build_request(None, items, mode="msgpack", scheme="grpc-mm", adapter="lora").request
+    it = req.batches[0].items[0]
+    assert it.mm_hash == grpc_mm_identity("image", raw) and it.cache_identifier == "lora:" + it.mm_hash
+    with worker.open_request(None, req) as ei:
+        assert ei.identities == {"image": [it.mm_hash]}
+        assert ei.mm_identifiers == {"image": ["lora:" + it.mm_hash]}
+
+
+# -- routing markers and metadata ------------------------------------------------------------------
+def test_routing_marker_recipe():
+    ident = "xxh3-128:0123456789abcdef0123456789abcdef"
+    assert routing.hash_mm_identifier(ident) == xxhash.xxh3_64_intdigest(ident.encode())
+    hex64 = "ab" * 32
+    assert routing.hash_mm_identifier(hex64) == int(hex64[:16], 16)
+    assert routing.hash_mm_identifier("") is None
+    marker = routing.routing_marker(ident)
+    assert marker == format(xxhash.xxh3_64_intdigest(ident.encode()), "016x") + "0" * 48 and len(marker) == 64
+    assert routing.hash_mm_identifier(marker) == int(marker[:16], 16)  # the marker maps to the same u64
+    assert routing.pad_value(marker) == routing.pad_value(ident)
+
+
+def _items(modalities):
+    return [FeatureItem(m, {"x": np.full(2, i, np.uint8)},
+                        PlaceholderRange(10 * i, 3, EmbedMask.from_bools([True, False, True]) if i % 2 else None))
+            for i, m in enumerate(modalities)]
+
+
+def test_image_only_request_emits_legacy_flat_fields():
+    req = frontend.build_request(None, _items(["image", "image"]), mode="inline").request
+    meta = frontend.routing_metadata(req)
+    hashes = [it.mm_hash for it in req.batches[0].items]
+    assert meta["mm_hashes_by_modality"] == {"image": hashes} and meta["mm_hashes"] == hashes
+    assert meta["mm_placeholders"] == [[0, 3], {"offset": 10, "length": 3, "is_embed": [True, False, True]}]
+    assert meta["mm_placeholders_by_modality"] == {"image": meta["mm_placeholders"]}
+    assert worker.forwarded_uuids({"mm_hashes": hashes}) == {"image": hashes}
+    assert worker.forwarded_uuids({"mm_hashes": hashes}, unified_vision=True) == {"vision_chunk": hashes}
+
+
+def test_mixed_request_does_not_emit_legacy_flat_fields():
+    req = frontend.build_request(None, _items(["image", "video", "audio"]), mode="inline").request
+    meta = frontend.routing_metadata(req)
+    assert "mm_hashes" not in meta and "mm_placeholders" not in meta
+    assert set(meta["mm_hashes_by_modality"]) == {"image", "video", "audio"}
+    uuids = worker.forwarded_uuids(meta, unified_vision=True)
+    assert set(uuids) == {"vision_chunk", "video", "audio"}
+    assert worker.forwarded_uuids({"mm_hashes_by_modality": {"image": [], "audio": ["a"]}}) == {"audio": ["a"]}
+
+
+def test_markers_set_on_request_and_checked_by_worker():
+    req = frontend.build_request(None, _items(["image"]), mode="inline", with_markers=True).request
+    it = req.batches[0].items[0]
+    assert it.routing_marker == routing.routing_marker(it.mm_hash)
+    with worker.open_request(None, req) as ei:
+        assert ei.routing_markers == {"image": [it.routing_marker]}
