@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pytest
 
-from helpers import wait_until
+from shmtransport.testing import wait_until
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
 from shmtransport.errors import (

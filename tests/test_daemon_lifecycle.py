@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import BlockingChild, open_fds, run_in_child, start_children, wait_until
+from shmtransport.testing import BlockingChild, open_fds, run_in_child, start_children, wait_until
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.errors import ClosedError, HandleError, IdentityMismatch, Reason, ResourceExhausted, StateError
 

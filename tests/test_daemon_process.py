@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import SHM_DIR, remove_tree, short_tmpdir
+from shmtransport.testing import SHM_DIR, remove_tree, short_tmpdir
 from shmtransport.client import Consumer, Producer
 from shmtransport.daemon import Daemon
 from shmtransport.errors import PermissionDenied, Reason, ResourceExhausted, Unavailable

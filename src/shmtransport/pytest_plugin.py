@@ -1,0 +1,295 @@
+"""pytest plugin: shared-memory fixtures for test suites of code that uses shmtransport.
+
+Registered as the ``pytest11`` entry point ``shmtransport`` (or load it with
+``-p shmtransport.pytest_plugin``). Inert unless a test uses one of its fixtures or markers: no
+autouse fixture, nothing started, and the daemon (gRPC) is imported only inside the fixtures.
+
+Fixtures
+  ``shm_daemon``          a real in-process ``Daemon`` for one test: socket in a short /tmp dir, a
+                          unique name prefix (``shmtpy`` + hex), a ``--shm-arena-size`` arena; at
+                          teardown it is stopped and nothing of its prefix may remain in /dev/shm
+  ``shm_daemon_session``  the same, one for the whole session
+  ``shm_make_daemon``     factory ``(**DaemonConfig overrides) -> Daemon`` with the same teardown
+  ``shm_producer``        a ``Producer`` connected to ``shm_daemon`` (closed at teardown)
+  ``shm_consumer``        a ``Consumer`` connected to ``shm_daemon`` (closed at teardown)
+  ``shm_leak_check``      fail the test if it leaves new /dev/shm entries, open fds, live child
+                          processes or live leases on a daemon fixture; also applied by
+                          ``@pytest.mark.shm_leak_check``. The fixture value (``testing.LeakCheck``)
+                          has knobs (``check_fds = False``, ``ignore_shm(prefix)``, ...)
+  ``shm_owned_prefixes``  override to return a tuple of prefixes when /dev/shm is shared with other
+                          processes: only new entries with them fail the leak check, others warn
+  ``shm_run_in_child``    ``testing.run_in_child``: a module-level function in a ``spawn`` child,
+                          its result or its exception (with the child's traceback) sent back
+
+Options
+  ``--shm-arena-size=64M``     arena of the daemon fixtures (bytes, or K/M/G suffixes)
+  ``--shm-keep-on-failure``    when a test fails, leave its daemon running and its segments in
+                               /dev/shm for inspection; the socket path and segment names are
+                               printed in the terminal summary
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import TYPE_CHECKING, Callable
+
+import pytest
+
+from . import testing
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .daemon import Daemon
+
+_CLIENT_TIMEOUT_S = 10.0
+# Fixtures after which a leak check first warms up gRPC's and multiprocessing's process-wide state.
+_PROCESS_STATE_FIXTURES = frozenset(
+    {"shm_daemon", "shm_daemon_session", "shm_make_daemon", "shm_producer", "shm_consumer", "shm_run_in_child"}
+)
+
+_reports_key = pytest.StashKey[dict]()  # item: phase -> report
+_check_key = pytest.StashKey[testing.LeakCheck]()  # item: its active leak check
+_item_daemons_key = pytest.StashKey[list]()  # item: function-scoped daemons it started
+_session_daemons_key = pytest.StashKey[list]()  # config: session-scoped daemons
+_session_failed_key = pytest.StashKey[bool]()  # config: a test using shm_daemon_session failed
+_kept_key = pytest.StashKey[list]()  # config: (nodeid, socket path, segment names, tmpdir) kept
+
+
+# -- options, markers, hooks ---------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shmtransport", "shmtransport shared-memory fixtures")
+    group.addoption(
+        "--shm-arena-size",
+        dest="shm_arena_size",
+        type=testing.parse_nbytes,
+        default=testing.DEFAULT_ARENA_NBYTES,
+        metavar="NBYTES",
+        help="arena size of the shm_daemon fixtures: bytes or with a K/M/G suffix (default 64M)",
+    )
+    group.addoption(
+        "--shm-keep-on-failure",
+        dest="shm_keep_on_failure",
+        action="store_true",
+        default=False,
+        help="when a test fails, do not stop its shm daemon or unlink its segments; print the socket "
+        "path and segment names for inspection",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "shm_leak_check: fail the test if it leaves /dev/shm entries, open fds, child processes or "
+        "live daemon leases behind (same as using the shm_leak_check fixture)",
+    )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The marker requests the fixture; the leak check goes first so that it is set up before any
+    daemon or client fixture and torn down after them."""
+    for item in items:
+        names = getattr(item, "fixturenames", None)
+        if names is None:
+            continue
+        if "shm_leak_check" in names or item.get_closest_marker("shm_leak_check") is not None:
+            item.fixturenames = ["shm_leak_check", *(n for n in names if n != "shm_leak_check")]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = yield
+    if item.stash.get(_check_key, None) is not None or _uses_daemon(item):
+        item.stash.setdefault(_reports_key, {})[report.when] = report
+        if report.failed and "shm_daemon_session" in getattr(item, "fixturenames", ()):
+            item.config.stash[_session_failed_key] = True
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """End of the test body, before any fixture is torn down (clients still open): the leases
+    the test left live are still visible on the daemons."""
+    check = item.stash.get(_check_key, None)
+    if check is None or _keeping(item):
+        return
+    for daemon in _active_daemons(item):
+        check.check_daemon(daemon)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    kept = config.stash.get(_kept_key, [])
+    if not kept:
+        return
+    terminalreporter.section("shmtransport: daemon state kept for inspection (--shm-keep-on-failure)")
+    for nodeid, socket_path, segments, _ in kept:
+        terminalreporter.line(f"{nodeid}:")
+        terminalreporter.line(f"  socket: {socket_path}")
+        for name in segments:
+            terminalreporter.line(f"  segment: /dev/shm/{name}")
+    paths = [f"/dev/shm/{name}" for _, _, segments, _ in kept for name in segments]
+    paths += sorted({tmpdir for *_, tmpdir in kept if tmpdir})  # the fixtures' own socket dirs
+    terminalreporter.line("remove them when done: rm -rf " + " ".join(paths))
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _uses_daemon(item: pytest.Item) -> bool:
+    return not _PROCESS_STATE_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
+
+def _failed(item: pytest.Item) -> bool:
+    reports = item.stash.get(_reports_key, {})
+    return any(r.failed for r in reports.values())
+
+
+def _keeping(item: pytest.Item) -> bool:
+    return item.config.getoption("shm_keep_on_failure") and _failed(item)
+
+
+def _active_daemons(item: pytest.Item) -> list["Daemon"]:
+    daemons = list(item.config.stash.get(_session_daemons_key, []))
+    daemons += item.stash.get(_item_daemons_key, [])
+    return [d for d in daemons if not d.closed]
+
+
+def _keep(config: pytest.Config, nodeid: str, daemon: "Daemon") -> None:
+    config.stash.setdefault(_kept_key, []).append(
+        (nodeid, daemon.socket_path, testing.segments_of(daemon.config.name_prefix),
+         getattr(daemon, "_shmt_testing_tmpdir", None))
+    )
+
+
+def _finish_daemon(daemon: "Daemon", item: pytest.Item | None) -> None:
+    """Teardown of one daemon fixture: stop it and require that nothing of its prefix remains in
+    /dev/shm (with an active leak check: first report what is still live on it)."""
+    check = item.stash.get(_check_key, None) if item is not None else None
+    if check is not None and check.check_leases and not daemon.closed:
+        # After the clients' teardown: what is still live is held by sessions nobody closed.
+        s = testing.settle_daemon(daemon, max_leases=0, max_objects=0, timeout_s=1.0)
+        if s.live_objects or s.live_leases:
+            check.report("still live after the client fixtures closed (an unclosed client?):\n"
+                         + testing._indent(testing.describe_daemon_state(daemon, s)))
+    left = testing.stop_daemon(daemon)
+    if left:
+        pytest.fail(f"{daemon!r} left /dev/shm entries of its prefix after stop: {left}", pytrace=False)
+
+
+def _start(config: pytest.Config, **overrides) -> "Daemon":
+    overrides.setdefault("arena_nbytes", config.getoption("shm_arena_size"))
+    return testing.start_daemon(**overrides)
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture
+def shm_owned_prefixes() -> tuple[str, ...] | None:
+    """Which new /dev/shm entries ``shm_leak_check`` fails on: None (the default) for all of them.
+    Override with a tuple of prefixes when other processes create entries meanwhile; new entries
+    without those prefixes then only warn."""
+    return None
+
+
+@pytest.fixture
+def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes) -> testing.LeakCheck:
+    item = request.node
+    if _uses_daemon(item) or "shmtransport.client" in sys.modules:
+        testing.warm_up_process_state()  # gRPC's process-wide fds are not this test's leak
+    check = testing.LeakCheck(shm_owned_prefixes)
+    for daemon in request.config.stash.get(_session_daemons_key, []):
+        if not daemon.closed:
+            check.watch_daemon(daemon)
+    item.stash[_check_key] = check
+    yield check
+    del item.stash[_check_key]
+    if _keeping(item):
+        # The failed test's daemon stays as it is: its segments and fds are not leaks.
+        check.check_fds = False
+        for _, _, segments, _ in request.config.stash.get(_kept_key, []):
+            for name in segments:
+                check.ignore_shm(name)
+    problems, warns = check.problems()
+    for text in warns:
+        warnings.warn(text)
+    if problems:
+        pytest.fail(check.failure_message(problems), pytrace=False)
+
+
+@pytest.fixture
+def shm_make_daemon(request: pytest.FixtureRequest) -> Callable[..., "Daemon"]:
+    """Factory: ``shm_make_daemon(**DaemonConfig overrides)`` → a started in-process Daemon."""
+    item = request.node
+    started = item.stash.setdefault(_item_daemons_key, [])
+    mine: list = []
+
+    def factory(**overrides) -> "Daemon":
+        daemon = _start(request.config, **overrides)
+        started.append(daemon)
+        mine.append(daemon)
+        check = item.stash.get(_check_key, None)
+        if check is not None:
+            check.watch_daemon(daemon)
+        return daemon
+
+    yield factory
+    keep = _keeping(item)
+    errors = []
+    for daemon in mine:
+        if keep:
+            _keep(request.config, item.nodeid, daemon)
+            continue
+        try:
+            _finish_daemon(daemon, item)
+        except pytest.fail.Exception as exc:
+            errors.append(str(exc))
+        finally:
+            started.remove(daemon)
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)
+
+
+@pytest.fixture
+def shm_daemon(shm_make_daemon) -> "Daemon":
+    """A real Daemon for this test (see ``shm_make_daemon``), stopped and checked at teardown."""
+    return shm_make_daemon()
+
+
+@pytest.fixture(scope="session")
+def shm_daemon_session(request: pytest.FixtureRequest) -> "Daemon":
+    """One real Daemon for the whole session; stopped and checked at the end of the session."""
+    config = request.config
+    daemon = _start(config)
+    config.stash.setdefault(_session_daemons_key, []).append(daemon)
+    yield daemon
+    config.stash[_session_daemons_key].remove(daemon)
+    if config.getoption("shm_keep_on_failure") and config.stash.get(_session_failed_key, False):
+        _keep(config, "shm_daemon_session", daemon)
+        return
+    _finish_daemon(daemon, None)
+
+
+def _client(request: pytest.FixtureRequest, cls, daemon: "Daemon"):
+    client = cls(daemon.socket_path, timeout_s=_CLIENT_TIMEOUT_S)
+    yield client
+    if not _keeping(request.node):  # on a kept failure the session keeps its objects alive
+        client.close()
+
+
+@pytest.fixture
+def shm_producer(request: pytest.FixtureRequest, shm_daemon):
+    """A ``Producer`` connected to ``shm_daemon``; closed at teardown."""
+    from .client import Producer
+
+    yield from _client(request, Producer, shm_daemon)
+
+
+@pytest.fixture
+def shm_consumer(request: pytest.FixtureRequest, shm_daemon):
+    """A ``Consumer`` connected to ``shm_daemon``; closed at teardown."""
+    from .client import Consumer
+
+    yield from _client(request, Consumer, shm_daemon)
+
+
+@pytest.fixture
+def shm_run_in_child():
+    """``run_in_child(fn, *args, timeout_s=..., **kwargs)``: run module-level ``fn`` in a ``spawn``
+    child; its result, or its exception re-raised here with the child's traceback as a note."""
+    return testing.run_in_child
