@@ -32,6 +32,17 @@ def test_decodes_vllm_reference_bytes():
                               {"pixel_values": FieldConfig("flat", slices=(slice(0, 2),))}) == raw
 
 
+def test_decoded_tensors_are_zero_copy_views_of_the_payload():
+    """msgpack copies ext payloads it hands to ext_hook; the skeleton decode avoids that."""
+    raw = encode_kwargs_item({"a": np.arange(300, dtype=np.int64), "b": np.ones(3, np.uint8),
+                              "c": np.zeros(0, np.float32), "d": np.int16([7])})  # ext32/ext8/fixext forms
+    d = decode_kwargs_item(raw)
+    for key, (_, _, data) in d.tensors.items():
+        assert data.obj is raw, key
+    assert np.frombuffer(d.tensors["a"][2], np.int64).tolist() == list(range(300))
+    assert np.frombuffer(d.tensors["d"][2], np.int16).tolist() == [7]
+
+
 _dtypes = st.sampled_from(["bool", "uint8", "int8", "float16", "bfloat16", "uint16", "int16", "float32", "uint32",
                            "int32", "float64", "uint64", "int64"])
 _tensor = st.tuples(_dtypes, st.lists(st.integers(0, 3), max_size=3), st.randoms(use_true_random=False))

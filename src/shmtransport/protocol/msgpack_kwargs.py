@@ -8,7 +8,10 @@ Wire layout (vLLM ``MsgpackEncoder``, map form that vLLM's Rust gateway accepts)
 
 Decoding runs a structural preflight over the raw bytes first (depth, node count, reserved 0xC1,
 truncation, trailing bytes: the checks of vLLM's gateway), then ``msgpack.unpackb`` with an
-``ext_hook`` that accepts only ext type 3 (RAW_VIEW). Pickle exts (1, 2) and aux-frame index
+``ext_hook`` that accepts only ext type 3 (RAW_VIEW). msgpack-python hands ext payloads to the hook
+as fresh ``bytes`` (a copy), so the preflight records each Ext(3) payload's span and msgpack decodes
+a skeleton in which each payload is replaced by an 8-byte span index: tensors are zero-copy
+memoryviews of the input, and the only copy of their bytes is the one into shared memory. Pickle exts (1, 2) and aux-frame index
 references are rejected; nothing is ever unpickled. Only tensor data is accepted (no scalar or
 nested-list kwargs).
 """
@@ -43,10 +46,11 @@ def _bad(msg: str) -> InvalidArgument:
     return InvalidArgument(f"kwargs MessagePack: {msg}")
 
 
-def preflight(buf: Any, limits: Limits = DEFAULT_LIMITS) -> int:
+def preflight(buf: Any, limits: Limits = DEFAULT_LIMITS, raw_views: list | None = None) -> int:
     """Walk the structure without building it: exactly one value, depth <= limits.msgpack_max_depth,
     <= limits.msgpack_max_nodes values, no reserved 0xC1, no truncation, no trailing bytes.
-    Returns the node count. Cost is per node, not per byte (payloads are skipped)."""
+    Returns the node count. Cost is per node, not per byte (payloads are skipped).
+    ``raw_views`` collects ``(header_start, payload_start, payload_nbytes)`` of every Ext(3)."""
     mv = memoryview(buf).cast("B")
     n = mv.nbytes
     if n == 0:
@@ -73,12 +77,16 @@ def preflight(buf: Any, limits: Limits = DEFAULT_LIMITS) -> int:
         elif b == 0xC1:
             raise _bad("reserved marker 0xC1")
         elif b in _FIXED:
+            if b >= 0xD4 and raw_views is not None and pos < n and mv[pos] == EXT_RAW_VIEW:
+                raw_views.append((pos - 1, pos + 1, _FIXED[b] - 1))
             pos += _FIXED[b]
         elif b in _SIZED:
             width, extra = _SIZED[b]
             if pos + width > n:
                 raise _bad("truncated")
             (size,) = struct.unpack_from(_UINT[width], mv, pos)
+            if extra and raw_views is not None and pos + width < n and mv[pos + width] == EXT_RAW_VIEW:
+                raw_views.append((pos - 1, pos + width + 1, size))
             pos += width + extra + size
         else:  # array16/32, map16/32
             width, mult = _CONTAINERS[b]
@@ -111,11 +119,31 @@ class _ExtError(Exception):
     pass
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code != EXT_RAW_VIEW:
-        raise _ExtError(f"ext type {code} is not allowed (only {EXT_RAW_VIEW}, raw tensor bytes; "
-                        f"pickle is never accepted)")
-    return memoryview(data)
+_REF = struct.Struct("<Q")
+
+
+def _skeleton(raw: bytes, raw_views: list) -> bytes:
+    """``raw`` with every Ext(3) payload replaced by ``fixext8(3, u64le(index))``: what msgpack
+    decodes is the small structure only; tensor bytes stay in ``raw`` and are sliced zero-copy."""
+    parts, prev = [], 0
+    for index, (header, start, size) in enumerate(raw_views):
+        parts += [raw[prev:header], b"\xd7\x03", _REF.pack(index)]
+        prev = start + size
+    parts.append(raw[prev:])
+    return b"".join(parts)
+
+
+def _ext_hook_for(raw: bytes, raw_views: list):
+    whole = memoryview(raw)
+
+    def hook(code: int, data: bytes) -> Any:
+        if code != EXT_RAW_VIEW:
+            raise _ExtError(f"ext type {code} is not allowed (only {EXT_RAW_VIEW}, raw tensor bytes; "
+                            f"pickle is never accepted)")
+        _, start, size = raw_views[_REF.unpack(data)[0]]
+        return whole[start:start + size]
+
+    return hook
 
 
 class DecodedKwargs:
@@ -139,9 +167,11 @@ def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwar
         raw = bytes(memoryview(raw).cast("B")) if not isinstance(raw, bytes) else raw
     except TypeError:
         raise _bad(f"payload must be bytes, got {type(raw).__name__}") from None
-    preflight(raw, limits)
+    raw_views: list = []
+    preflight(raw, limits, raw_views)
     try:
-        obj = msgpack.unpackb(raw, raw=False, ext_hook=_ext_hook, strict_map_key=False, use_list=True)
+        obj = msgpack.unpackb(_skeleton(raw, raw_views), raw=False, ext_hook=_ext_hook_for(raw, raw_views),
+                              strict_map_key=False, use_list=True)
     except _ExtError as exc:
         raise _bad(str(exc)) from None
     except (ValueError, msgpack.UnpackException, TypeError) as exc:
