@@ -205,6 +205,7 @@ class _View:
         self._array: np.ndarray | None = None
         self._array_ref: weakref.ref | None = None
         self._released = False
+        self._sealed = False  # a committed loan hands out no more (writable) views
 
     @property
     def closed(self) -> bool:
@@ -215,6 +216,8 @@ class _View:
         """Zero-copy numpy view with the tensor's dtype and shape."""
         if self._released:
             raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
+        if self._sealed:
+            raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
         if self._array is None:
             root = np.frombuffer(self._memory, dtype=np.uint8)
             # numpy points every view derived from ``root`` (slices, reshapes, torch.from_numpy)
@@ -237,6 +240,13 @@ class _View:
     def _forget_memory(self) -> None:
         """Once released and unviewed: drop our slice so the process mapping can be unmapped."""
         self._memory = None
+
+    def _seal(self) -> None:
+        """Committed: no new views; our slice goes as soon as no caller view needs it."""
+        self._sealed = True
+        self._array = None
+        if not self._views_alive():
+            self._forget_memory()
 
     def __enter__(self):
         return self
@@ -520,6 +530,7 @@ class Producer(_Client):
             for loan in loans:
                 loan.committed = True
                 loan.handle.commit_token = loan._commit_token
+                loan._seal()
             return [loan.handle for loan in loans]
         self._before_call("Commit")
         request = pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms)
@@ -536,6 +547,8 @@ class Producer(_Client):
                 for loan in loans:
                     loan.committed = False
                 raise
+        for loan in loans:
+            loan._seal()
         return [loan.handle for loan in loans]
 
     def _before_call(self, method: str) -> None:
