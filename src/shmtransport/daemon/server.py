@@ -8,7 +8,7 @@ import grp
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -131,8 +131,17 @@ class _Servicer(pb_grpc.DaemonServicer):
 class Daemon:
     """The node-local daemon; embeddable (``with Daemon(config): ...``) or run by the CLI."""
 
-    def __init__(self, config: DaemonConfig | None = None, **overrides):
+    def __init__(
+        self,
+        config: DaemonConfig | None = None,
+        extensions: Sequence[Callable[["Daemon", grpc.Server], Callable[[], None] | None]] = (),
+        **overrides,
+    ):
+        """``extensions``: called with (daemon, grpc server) before the server starts, to add
+        services (e.g. the remote tier); each may return a callable that stop() runs first."""
         self.config = dataclasses.replace(config or DaemonConfig(), **overrides)
+        self._extensions = tuple(extensions)
+        self._extension_stops: list[Callable[[], None]] = []
         validate_prefix(self.config.name_prefix)
         self.instance_id = new_instance_id()
         self._state = "new"
@@ -208,6 +217,10 @@ class Daemon:
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_servicer.set("shmtransport.v1.Daemon", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        for extension in self._extensions:
+            stop = extension(self, self._server)
+            if stop is not None:
+                self._extension_stops.append(stop)
         if os.path.exists(cfg.socket_path):
             os.unlink(cfg.socket_path)
         self._server.add_insecure_port(f"unix:{cfg.socket_path}")
@@ -240,6 +253,12 @@ class Daemon:
 
     def _teardown(self) -> None:
         self._stop_event.set()
+        for stop in reversed(self._extension_stops):
+            try:
+                stop()
+            except Exception:  # one failing extension must not keep the segments from going
+                _log.exception("extension stop failed")
+        self._extension_stops.clear()
         if self._sweeper is not None:
             self._sweeper.join(timeout=2)
         if self._metrics_server is not None:
