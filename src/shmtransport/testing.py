@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import re
 import secrets
 import shutil
@@ -131,31 +131,38 @@ def remove_tree(path: str) -> None:
 
 # -- exceptions across the process boundary ------------------------------------------------------
 def _pack_exception(exc: BaseException) -> tuple:
+    """Plain data only (type path, message, reason, traceback text): the parent rebuilds the
+    exception by its type, so nothing is unpickled beyond strings."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = pickle.dumps(exc)
-        pickle.loads(blob)
-    except Exception:
-        blob = None
     reason = getattr(exc, "reason", None)
-    return ("err", blob, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), reason, text)
+    reason = getattr(reason, "value", reason)
+    return ("err", type(exc).__module__, type(exc).__qualname__, str(exc), reason, text)
+
+
+def _rebuild_exception(module: str, qualname: str, message: str, reason: Any) -> BaseException | None:
+    try:
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+    except (ImportError, AttributeError):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+        return None
+    try:
+        from .errors import Reason, ShmTransportError
+
+        if issubclass(cls, ShmTransportError):
+            return cls(message, Reason(reason) if reason is not None else None)
+        return cls(message)
+    except Exception:  # a constructor with another signature: report it generically
+        return None
 
 
 def _unpack_exception(msg: tuple) -> BaseException:
-    _, blob, type_name, text, reason, child_tb = msg
-    exc: BaseException | None = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:
-            exc = None
+    _, module, qualname, text, reason, child_tb = msg
+    exc = _rebuild_exception(module, qualname, text, reason)
     if exc is None:
-        exc = ChildError(f"{type_name}: {text}")
-    if reason is not None:
-        try:
-            exc.reason = reason  # ShmTransportError pickles its message only: restore the reason
-        except AttributeError:
-            pass
+        exc = ChildError(f"{module}.{qualname}: {text}")
     exc.add_note(f"--- traceback in the child process ---\n{child_tb.rstrip()}")
     return exc
 
