@@ -1,0 +1,34 @@
+"""Remote tier (DESIGN §2): tensors read across nodes with NIXL (UCX), explicit inline fallback.
+
+- ``remote_extension(...)``: daemon side (``Daemon(extensions=[remote_extension()])``).
+- ``RemoteReader``: pulls ``RemoteTensorHandle``s with NIXL READs into a registered receive pool.
+- ``RemoteExporter`` / ``resolve``: TensorData with shm, remote or (opt-in) inline payloads.
+- ``choose_transport`` / ``COUNTERS``: shm when namespaces match, remote otherwise; every choice counted.
+
+NIXL is optional (``pip install shmtransport[nixl]``); without it remote handles raise
+``NixlUnavailable``. Heavy imports happen on use.
+"""
+from ._nixl import EXTRA_HINT, NixlUnavailable, load_nixl, nixl_available
+from .transport import COUNTERS, INLINE, REMOTE, SHM, TransportCounters, choose_transport, namespace_of
+
+__all__ = [
+    "COUNTERS", "EXTRA_HINT", "INLINE", "REMOTE", "SHM", "NixlUnavailable", "RemoteExporter", "RemoteReader",
+    "TransportCounters", "choose_transport", "load_nixl", "namespace_of", "nixl_available", "remote_extension",
+    "resolve",
+]
+
+
+def __getattr__(name):
+    if name == "remote_extension":
+        from .daemon_ext import remote_extension
+
+        return remote_extension
+    if name == "RemoteReader":
+        from .reader import RemoteReader
+
+        return RemoteReader
+    if name in ("RemoteExporter", "resolve"):
+        from . import exporter
+
+        return getattr(exporter, name)
+    raise AttributeError(name)

@@ -1,0 +1,264 @@
+"""The daemon side of the remote tier: ``remote_extension(...)`` for ``Daemon(extensions=[...])``.
+
+At start it maps the arena once (read-only), registers it ONCE with a NIXL agent (UCX backend) as
+one region, adds the ``shmtransport.v1.Remote`` service to the daemon's gRPC server (so it is served
+on the Unix socket) and binds a TCP address for remote peers. A remote peer:
+
+1. ``Attach`` (server stream): gets a session token and the agent metadata; the extension opens a
+   registry session for the peer and closes it when the stream ends, so every lease the peer still
+   holds is reclaimed when it disconnects or dies (mid-read included).
+2. ``RemoteAcquire(tensors)``: leases (the same registry leases local consumers get: generation
+   checked, commit by handoff honoured) and the NIXL regions (address, length) to READ.
+3. ``RemoteRelease(lease_ids)`` once its READ has completed (or failed).
+
+The daemon never touches payload bytes: the peer's NIXL READ pulls them from the registered arena.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import threading
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from ..daemon.segments import SHM_DIR
+from ..errors import InvalidArgument, PermissionDenied
+from ..v1 import remote_pb2 as rpb
+from ..v1 import remote_pb2_grpc as rpb_grpc
+from ._nixl import new_agent
+
+_log = logging.getLogger("shmtransport.remote")
+
+REMOTE_SESSION_METADATA_KEY = "shmt-remote-session"
+TRANSPORT = "nixl"
+_STREAM_POLL_S = 0.2
+
+
+class RemoteExtension:
+    """State of the remote tier inside one daemon; built by ``remote_extension``."""
+
+    def __init__(self, daemon, listen_host: str, listen_port: int, advertise_host: str | None,
+                 advertise_namespace: str | None):
+        self.daemon = daemon
+        self.listen_host = listen_host
+        self.listen_port = listen_port
+        self.advertise_host = advertise_host or listen_host
+        self.advertise_namespace = advertise_namespace
+        self.endpoint = ""
+        self.agent = None
+        self.agent_name = f"shmtd-{daemon.instance_id}"
+        self._mmap: mmap.mmap | None = None
+        self._reg = None
+        self.base_addr = 0
+        self.nbytes = 0
+        self._lock = threading.Lock()
+        self._tokens: dict[str, str] = {}  # session token -> registry session id
+        self._stopping = threading.Event()
+        self.sessions_total = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def install(self, server: grpc.Server) -> Callable[[], None]:
+        daemon = self.daemon
+        if self.advertise_namespace:
+            # Simulated (or operator-declared) namespace: what local clients see in their hello.
+            daemon.arena_info.shm_namespace = self.advertise_namespace
+            hello = getattr(daemon.sessions, "_hello", None)
+            if isinstance(hello, dict):
+                hello["shm_namespace"] = self.advertise_namespace
+        info = daemon.arena_info
+        self.nbytes = int(info.nbytes)
+        fd = os.open(os.path.join(SHM_DIR, info.segment_name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._mmap = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.base_addr = int(np.frombuffer(self._mmap, dtype=np.uint8).ctypes.data)
+        try:
+            self.agent = new_agent(self.agent_name)
+            # One region for the whole arena, registered once: never per tensor.
+            self._reg = self.agent.register_memory([(self.base_addr, self.nbytes, 0, "")], "DRAM")
+            self.agent_metadata = self.agent.get_agent_metadata()
+            port = server.add_insecure_port(f"{self.listen_host}:{self.listen_port}")
+            if port == 0:
+                raise OSError(f"cannot listen on {self.listen_host}:{self.listen_port}")
+            self.endpoint = f"{self.advertise_host}:{port}"
+            rpb_grpc.add_RemoteServicer_to_server(_RemoteServicer(self), server)
+        except BaseException:
+            self.stop()
+            raise
+        _log.info("remote tier: agent %s, arena registered once (%d MiB), Remote service on %s",
+                  self.agent_name, self.nbytes >> 20, self.endpoint)
+        return self.stop
+
+    def stop(self) -> None:
+        """Close every remote session (reclaiming leases), deregister, unmap. Idempotent."""
+        self._stopping.set()
+        with self._lock:
+            tokens, self._tokens = dict(self._tokens), {}
+        for session_id in tokens.values():
+            self._close_session(session_id)
+        if self.agent is not None and self._reg is not None:
+            try:
+                self.agent.deregister_memory(self._reg)
+            except Exception:
+                _log.exception("NIXL deregister_memory failed")
+            self._reg = None
+        self.agent = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                _log.warning("arena mapping of the remote tier still viewed; left to the GC")
+            self._mmap = None
+
+    # -- sessions --------------------------------------------------------------------------------
+    def open_session(self, peer: str) -> tuple[str, str]:
+        session_id = f"remote-{secrets.token_hex(6)}"
+        token = secrets.token_hex(16)
+        self.daemon.registry.open_session(session_id, 0, os.getuid())  # pid 0: a remote peer
+        with self._lock:
+            self._tokens[token] = session_id
+            self.sessions_total += 1
+        _log.info("remote peer %r attached as session %s", peer, session_id)
+        return session_id, token
+
+    def end_session(self, token: str) -> None:
+        with self._lock:
+            session_id = self._tokens.pop(token, None)
+        if session_id is not None:
+            self._close_session(session_id)
+
+    def _close_session(self, session_id: str) -> None:
+        try:
+            self.daemon.registry.close_session(session_id)  # releases its leases
+        except Exception:
+            _log.exception("closing remote session %s failed", session_id)
+
+    def session_for(self, context) -> str:
+        for key, value in context.invocation_metadata():
+            if key == REMOTE_SESSION_METADATA_KEY:
+                with self._lock:
+                    session_id = self._tokens.get(value)
+                if session_id is not None:
+                    return session_id
+                break
+        raise PermissionDenied("missing or unknown remote session token: Attach first")
+
+    @property
+    def live_sessions(self) -> int:
+        with self._lock:
+            return len(self._tokens)
+
+    def region(self, offset: int, nbytes: int) -> rpb.NixlRegion:
+        if offset + nbytes > self.nbytes:
+            raise InvalidArgument(f"range [{offset}, {offset + nbytes}) outside the arena")
+        return rpb.NixlRegion(addr=self.base_addr + offset, nbytes=nbytes, dev_id=0)
+
+    def __repr__(self) -> str:
+        return f"RemoteExtension({self.agent_name}, endpoint={self.endpoint!r}, sessions={self.live_sessions})"
+
+
+class _RemoteServicer(rpb_grpc.RemoteServicer):
+    def __init__(self, ext: RemoteExtension):
+        self._ext = ext
+
+    def Describe(self, request, context):
+        ext = self._ext
+        return rpb.RemoteInfo(
+            instance_id=ext.daemon.instance_id,
+            shm_namespace=ext.daemon.arena_info.shm_namespace,
+            endpoint=ext.endpoint,
+            agent_name=ext.agent_name,
+            transport=TRANSPORT,
+        )
+
+    def Attach(self, request, context):
+        ext = self._ext
+        if ext._stopping.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "daemon_unavailable: daemon stopping")
+        _, token = ext.open_session(request.peer_name)
+        ended = threading.Event()
+        context.add_callback(ended.set)  # the peer went away (or the server is stopping)
+        try:
+            yield rpb.AttachEvent(
+                session_token=token,
+                agent_name=ext.agent_name,
+                agent_metadata=ext.agent_metadata,
+                instance_id=ext.daemon.instance_id,
+                shm_namespace=ext.daemon.arena_info.shm_namespace,
+            )
+            while not ended.wait(_STREAM_POLL_S):
+                if ext._stopping.is_set() or not context.is_active():
+                    break
+        finally:
+            ext.end_session(token)
+
+    def RemoteAcquire(self, request, context):
+        from ..daemon.server import _bounded_wait
+
+        return self._typed(context, self._acquire, request, _bounded_wait(self._ext.daemon.config.commit_wait_s, context))
+
+    def _acquire(self, request, context, wait_s):
+        ext = self._ext
+        session_id = ext.session_for(context)
+        if not request.tensors:
+            raise InvalidArgument("tensors must not be empty")
+        handles = [t.shm for t in request.tensors]
+        tokens = [t.commit_token for t in request.tensors]
+        lease_ids = ext.daemon.registry.acquire(
+            session_id, handles, request.ttl_ms, wait_s, tokens if any(tokens) else ()
+        )
+        regions = [ext.region(h.offset, h.nbytes) for h in handles]
+        return rpb.RemoteAcquireResponse(lease_ids=lease_ids, regions=regions)
+
+    def RemoteRelease(self, request, context):
+        return self._typed(context, self._release, request)
+
+    def _release(self, request, context):
+        session_id = self._ext.session_for(context)
+        self._ext.daemon.registry.release(session_id, (), request.lease_ids)
+        return rpb.RemoteReleaseResponse()
+
+    @staticmethod
+    def _typed(context, fn, request, *args):
+        from ..errors import ShmTransportError, status_for
+
+        try:
+            return fn(request, context, *args)
+        except ShmTransportError as exc:
+            code, details = status_for(exc)
+            context.abort(code, details)
+        except Exception:
+            _log.exception("internal error in the Remote service")
+            context.abort(grpc.StatusCode.INTERNAL, "internal: unexpected daemon error (see daemon log)")
+
+
+def remote_extension(
+    listen_host: str = "127.0.0.1",
+    listen_port: int = 0,
+    advertise_host: str | None = None,
+    advertise_namespace: str | None = None,
+    on_install: Callable[[RemoteExtension], None] | None = None,
+):
+    """A ``Daemon`` extension serving the remote tier.
+
+    ``listen_host``/``listen_port``: the TCP address remote peers dial (default loopback, any free
+    port); ``advertise_host``: the host written into descriptors (default ``listen_host``);
+    ``advertise_namespace``: override the shm namespace id the daemon advertises (tests simulate two
+    nodes on one machine with it). ``on_install`` receives the ``RemoteExtension`` (endpoint, agent).
+    The extension object is also set as ``daemon.remote``.
+    """
+
+    def install(daemon, server: grpc.Server):
+        ext = RemoteExtension(daemon, listen_host, listen_port, advertise_host, advertise_namespace)
+        stop = ext.install(server)
+        daemon.remote = ext
+        if on_install is not None:
+            on_install(ext)
+        return stop
+
+    return install

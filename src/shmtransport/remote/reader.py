@@ -1,0 +1,361 @@
+"""The remote side: pull tensors named by ``RemoteTensorHandle``s with one-sided NIXL READs.
+
+``RemoteReader`` owns a NIXL agent (UCX) and a receive pool registered once (``pool_slots`` ×
+``slot_nbytes``); a tensor larger than a slot gets a buffer registered for it alone (and
+deregistered when released). Per batch and owning daemon: one ``RemoteAcquire`` RPC (leases +
+regions), one NIXL READ request with every descriptor, one ``RemoteRelease``. The leases are
+released only after the READ completed, and on every failure path; the content digest is verified
+after the read (``IdentityMismatch``). If this process dies mid-read, the daemon reclaims its leases
+when the Attach stream drops.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import threading
+import time
+import warnings
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from .._backend import kernels
+from ..errors import DeadlineExceeded, IdentityMismatch, InvalidArgument, ShmTransportError, Unavailable, error_from_rpc
+from ..tensors import dtype_from_name, to_torch
+from ..v1 import remote_pb2 as rpb
+from ..v1 import remote_pb2_grpc as rpb_grpc
+from . import descriptor as _desc
+from ._nixl import new_agent
+from .daemon_ext import REMOTE_SESSION_METADATA_KEY
+
+_log = logging.getLogger("shmtransport.remote")
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+def _page_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Anonymous, page-aligned, pre-faulted memory (never a fresh /dev/shm segment)."""
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+    return mm, np.frombuffer(mm, dtype=np.uint8)
+
+
+class RemoteBuffer:
+    """A tensor read from a remote daemon into this process's memory; ``release`` returns the slot."""
+
+    def __init__(self, reader: "RemoteReader", tensor, memory: np.ndarray, slot: int | None, reg=None, mm=None):
+        self._reader = reader
+        self.handle = tensor  # shmtransport.v1.TensorHandle of the source
+        self._memory = memory
+        self._slot = slot
+        self._reg = reg
+        self._mm = mm
+        self._array: np.ndarray | None = None
+        self.released = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.handle.shm.nbytes)
+
+    @property
+    def pooled(self) -> bool:
+        return self._slot is not None
+
+    @property
+    def addr(self) -> int:
+        return int(self._memory.ctypes.data)
+
+    @property
+    def array(self) -> np.ndarray:
+        if self.released:
+            raise ShmTransportError(f"{self!r} is released")
+        if self._array is None:
+            n = _desc.tensor_nbytes(self.handle)
+            self._array = self._memory[:n].view(dtype_from_name(self.handle.dtype)).reshape(tuple(self.handle.shape))
+        return self._array
+
+    def tensor(self):
+        return to_torch(self.array, self.handle.dtype)
+
+    def verify(self) -> None:
+        if not self.handle.digest:
+            raise InvalidArgument("remote handle carries no digest: the producer did not hash")
+        if kernels.tree_digest(memoryview(self._memory)[: _desc.tensor_nbytes(self.handle)]) != self.handle.digest:
+            raise IdentityMismatch(f"content digest mismatch after the remote read of {self!r}")
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._array = None
+        self._reader._give_back(self)
+
+    def __enter__(self) -> "RemoteBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):
+        if not getattr(self, "released", True):
+            warnings.warn(f"{self!r} was never released", ResourceWarning, 2)
+
+    def __repr__(self) -> str:
+        where = f"slot {self._slot}" if self._slot is not None else "dynamic"
+        state = "released" if self.released else "live"
+        return (f"RemoteBuffer({self.handle.dtype}{list(self.handle.shape)}, nbytes={self.nbytes}, {where}, "
+                f"{state})")
+
+
+class _Peer:
+    """One remote daemon: gRPC channel (TCP), the Attach stream (our session), its NIXL agent."""
+
+    def __init__(self, reader: "RemoteReader", endpoint: str):
+        self.endpoint = endpoint
+        self._channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        self.stub = rpb_grpc.RemoteStub(self._channel)
+        self._call = None
+        self.remote_name: str | None = None
+        self._agent = reader.agent
+        try:
+            self._call = self.stub.Attach(rpb.AttachRequest(peer_name=reader.name))
+            event = next(self._call)
+        except grpc.RpcError as err:
+            self.close()
+            raise Unavailable(f"cannot attach to remote daemon at {endpoint}: {err.details() or err.code()}") from err
+        except StopIteration as exc:
+            self.close()
+            raise Unavailable(f"remote daemon at {endpoint} ended the Attach stream") from exc
+        self.agent_name = event.agent_name
+        self.instance_id = event.instance_id
+        self._metadata = ((REMOTE_SESSION_METADATA_KEY, event.session_token),)
+        try:
+            name = self._agent.add_remote_agent(event.agent_metadata)
+        except Exception as exc:
+            self.close()
+            raise Unavailable(f"NIXL add_remote_agent for {endpoint} failed: {exc}") from exc
+        self.remote_name = name.decode() if isinstance(name, bytes) else name
+
+    @property
+    def alive(self) -> bool:
+        return self._call is not None and not self._call.done()
+
+    def rpc(self, method: str, request, timeout_s: float):
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()  # the daemon closes our session: every lease we held is reclaimed
+            self._call = None
+        if self.remote_name is not None:
+            try:
+                self._agent.remove_remote_agent(self.remote_name)
+            except Exception:
+                _log.debug("remove_remote_agent(%s) failed", self.remote_name, exc_info=True)
+            self.remote_name = None
+        self._channel.close()
+
+
+class RemoteReader:
+    """Reads remote tensors with NIXL; one per process (it owns a NIXL agent and a receive pool).
+
+    ``pool_slots`` × ``slot_nbytes`` are registered once at construction; larger tensors (or a full
+    pool) get a buffer registered for that read only. ``verify``: check the content digest after
+    each read (default: whenever the handle carries one).
+    """
+
+    def __init__(self, name: str | None = None, pool_slots: int = 16, slot_nbytes: int = 8 << 20,
+                 timeout_s: float = 30.0, verify: bool = True):
+        self.name = name or f"shmt-reader-{os.getpid()}-{secrets.token_hex(4)}"
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self.slot_nbytes = slot_nbytes
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+        self.agent = new_agent(self.name)
+        self._pool_mm, self._pool = _page_buffer(pool_slots * slot_nbytes)
+        self._pool_reg = None
+        if pool_slots:
+            self._pool_reg = self.agent.register_memory([(int(self._pool.ctypes.data), self._pool.nbytes, 0, "")], "DRAM")
+        self._free_slots = list(range(pool_slots))[::-1]
+        self._live: set[int] = set()
+        self.stats = {"reads": 0, "pooled": 0, "dynamic": 0, "bytes": 0}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- destinations ----------------------------------------------------------------------------
+    def _destination(self, tensor) -> RemoteBuffer:
+        nbytes = int(tensor.shm.nbytes)
+        if nbytes <= self.slot_nbytes:
+            with self._lock:
+                slot = self._free_slots.pop() if self._free_slots else None
+            if slot is not None:
+                start = slot * self.slot_nbytes
+                self.stats["pooled"] += 1
+                return RemoteBuffer(self, tensor, self._pool[start : start + nbytes], slot)
+        mm, memory = _page_buffer(nbytes)
+        try:
+            reg = self.agent.register_memory([(int(memory.ctypes.data), memory.nbytes, 0, "")], "DRAM")
+        except Exception as exc:
+            raise Unavailable(f"NIXL register_memory of a {nbytes}-byte receive buffer failed: {exc}") from exc
+        self.stats["dynamic"] += 1
+        return RemoteBuffer(self, tensor, memory[:nbytes], None, reg, mm)
+
+    def _give_back(self, buf: RemoteBuffer) -> None:
+        if buf._slot is not None:
+            with self._lock:
+                self._free_slots.append(buf._slot)
+        elif buf._reg is not None:
+            if self.agent is not None:
+                try:
+                    self.agent.deregister_memory(buf._reg)
+                except Exception:
+                    _log.exception("NIXL deregister_memory failed")
+            buf._reg = None
+        buf._memory = None
+
+    # -- peers -----------------------------------------------------------------------------------
+    def _peer(self, endpoint: str) -> _Peer:
+        with self._lock:
+            if self._closed:
+                raise ShmTransportError("RemoteReader is closed")
+            peer = self._peers.get(endpoint)
+            if peer is not None and not peer.alive:
+                peer.close()  # the daemon went away (or restarted): attach afresh
+                del self._peers[endpoint]
+                peer = None
+            if peer is None:
+                peer = _Peer(self, endpoint)
+                self._peers[endpoint] = peer
+            return peer
+
+    # -- reads -----------------------------------------------------------------------------------
+    def read(self, remote, verify: bool | None = None) -> RemoteBuffer:
+        return self.read_many([remote], verify=verify)[0]
+
+    def read_many(self, remotes: Sequence, verify: bool | None = None) -> list[RemoteBuffer]:
+        """Read every remote handle (``RemoteTensorHandle`` or its bytes); in order."""
+        descs = [_desc.decode(r) for r in remotes]
+        by_endpoint: dict[str, list[int]] = {}
+        for i, d in enumerate(descs):
+            by_endpoint.setdefault(d.endpoint, []).append(i)
+        out: list[RemoteBuffer | None] = [None] * len(descs)
+        try:
+            for endpoint, indices in by_endpoint.items():
+                bufs = self._read_from(endpoint, [descs[i] for i in indices], verify)
+                for i, buf in zip(indices, bufs):
+                    out[i] = buf
+        except BaseException:
+            for buf in out:
+                if buf is not None:
+                    buf.release()
+            raise
+        return out  # type: ignore[return-value]
+
+    def _read_from(self, endpoint: str, descs: list, verify: bool | None) -> list[RemoteBuffer]:
+        peer = self._peer(endpoint)
+        for d in descs:
+            if d.agent_name != peer.agent_name or d.tensor.shm.instance_id != peer.instance_id:
+                raise Unavailable(
+                    f"descriptor names agent {d.agent_name!r} / instance {d.tensor.shm.instance_id!r}, but "
+                    f"{endpoint} serves {peer.agent_name!r} / {peer.instance_id!r} (daemon restarted?)",
+                )
+        tensors = [d.tensor for d in descs]
+        bufs: list[RemoteBuffer] = []
+        try:
+            for t in tensors:
+                bufs.append(self._destination(t))
+            response = peer.rpc("RemoteAcquire", rpb.RemoteAcquireRequest(tensors=tensors), self.timeout_s)
+            try:
+                self._pull(peer, bufs, response.regions)
+            finally:
+                # Only now (READ complete, or failed and cancelled) may the daemon reuse the bytes.
+                self._release_leases(peer, response.lease_ids)
+            if verify if verify is not None else self.verify:
+                for buf in bufs:
+                    if buf.handle.digest:
+                        buf.verify()
+        except BaseException:
+            for buf in bufs:
+                buf.release()
+            raise
+        self.stats["reads"] += len(bufs)
+        self.stats["bytes"] += sum(b.nbytes for b in bufs)
+        return bufs
+
+    def _release_leases(self, peer: _Peer, lease_ids) -> None:
+        try:
+            peer.rpc("RemoteRelease", rpb.RemoteReleaseRequest(lease_ids=lease_ids), self.timeout_s)
+        except Unavailable:
+            pass  # the daemon is gone, and with it our session and its leases
+
+    def _pull(self, peer: _Peer, bufs: list[RemoteBuffer], regions) -> None:
+        if len(regions) != len(bufs):
+            raise Unavailable(f"remote daemon returned {len(regions)} regions for {len(bufs)} tensors")
+        for buf, region in zip(bufs, regions):
+            if region.nbytes != buf.nbytes:
+                raise InvalidArgument(f"remote region of {region.nbytes} bytes for a {buf.nbytes}-byte tensor")
+        agent = self.agent
+        try:
+            local = agent.get_xfer_descs([(b.addr, b.nbytes, 0) for b in bufs], "DRAM")
+            remote = agent.get_xfer_descs([(r.addr, r.nbytes, r.dev_id) for r in regions], "DRAM")
+            xfer = agent.initialize_xfer("READ", local, remote, peer.remote_name)
+        except Exception as exc:
+            raise Unavailable(f"NIXL could not prepare the READ from {peer.endpoint}: {exc}") from exc
+        try:
+            state = agent.transfer(xfer)
+            deadline = time.monotonic() + self.timeout_s
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"NIXL READ from {peer.endpoint} still running after {self.timeout_s} s")
+                state = agent.check_xfer_state(xfer)
+            if state != "DONE":
+                raise Unavailable(f"NIXL READ from {peer.endpoint} failed (state {state})")
+        except ShmTransportError:
+            raise
+        except Exception as exc:
+            raise Unavailable(f"NIXL READ from {peer.endpoint} failed: {exc}") from exc
+        finally:
+            try:
+                agent.release_xfer_handle(xfer)  # cancels a READ still in flight
+            except Exception:
+                _log.warning("NIXL release_xfer_handle failed", exc_info=True)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Detach from every daemon (their sessions close), deregister the pool. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
+        if self._pool_reg is not None:
+            try:
+                self.agent.deregister_memory(self._pool_reg)
+            except Exception:
+                _log.exception("NIXL deregister_memory of the receive pool failed")
+            self._pool_reg = None
+        self.agent = None
+
+    def __enter__(self) -> "RemoteReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"peers={list(self._peers)}"
+        return f"RemoteReader({self.name!r}, slots={len(self._free_slots)} free x {self.slot_nbytes}, {state})"
