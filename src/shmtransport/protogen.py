@@ -15,7 +15,28 @@ SRC_ROOT = REPO / "src"
 
 
 def proto_files() -> list[pathlib.Path]:
-    return sorted((PROTO_ROOT / "shmtransport" / "v1").glob("*.proto"))
+    return sorted((PROTO_ROOT / "shmtransport" / "v1").glob("*.proto")) + sorted((PROTO_ROOT / "vllm").glob("*.proto"))
+
+
+# Foreign schemas (package ``vllm``) are generated next to ours as ``vllm_<name>_pb2*`` so they never
+# shadow the real ``vllm`` Python package; their generated imports are rewritten to match.
+FOREIGN = ("vllm",)
+
+
+def _relocate_foreign(out_root: pathlib.Path) -> None:
+    target = out_root / "shmtransport" / "v1"
+    for pkg in FOREIGN:
+        src_dir = out_root / pkg
+        if not src_dir.is_dir():
+            continue
+        for path in sorted(src_dir.glob("*_pb2*.py*")):
+            text = path.read_text().replace(f"from {pkg} import ", "from shmtransport.v1 import ")
+            for stem in {p.name.split("_pb2")[0] for p in src_dir.glob("*_pb2*.py*")}:
+                text = text.replace(f"import {stem}_pb2 as {pkg}_dot_{stem}__pb2",
+                                    f"import {pkg}_{stem}_pb2 as {pkg}_dot_{stem}__pb2")
+            (target / f"{pkg}_{path.name}").write_text(text)
+            path.unlink()
+        src_dir.rmdir()
 
 
 def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
@@ -35,6 +56,7 @@ def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed: " + " ".join(args))
+    _relocate_foreign(out_root)
     return sorted((out_root / "shmtransport" / "v1").glob("*_pb2*.py*"))
 
 

@@ -1,0 +1,13 @@
+"""Bridges from our typed Generate request to stock servers' gRPC schemas.
+
+- ``vllm_grpc``: vLLM's own ``package vllm`` schema (``proto/vllm/inference.proto``): features
+  re-inlined as kwargs MessagePack with the grpc-mm identity, proto3 "zero = unset" rules enforced.
+- ``smg``: SMG / ``vllm serve --grpc`` (``smg_grpc_proto`` ``vllm.grpc.engine.GenerateRequest``):
+  per-modality batched tensors (inline).
+- ``capabilities``: the ``ServerInfo`` we advertise (shm namespace, identity schemes, limits).
+
+Both request bridges reject, with a message naming the control, what the target cannot represent.
+"""
+from .common import Unrepresentable
+
+__all__ = ["Unrepresentable"]

@@ -1,0 +1,52 @@
+"""Shared pieces of the bridges: the typed item payloads (leases copied out and released)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ...client import Consumer
+from ...embedmask import PlaceholderRange
+from ...errors import InvalidArgument
+from ...v1 import features_pb2 as fpb
+from ..items import FieldConfig
+from ..limits import DEFAULT_LIMITS, Limits
+from ..msgpack_kwargs import encode_kwargs_item
+
+
+class Unrepresentable(InvalidArgument):
+    """A control the bridge target has no way to express (named in the message)."""
+
+
+def unrepresentable(target: str, control: str, why: str) -> Unrepresentable:
+    return Unrepresentable(f"{control}: cannot be represented by {target} ({why})")
+
+
+@dataclasses.dataclass
+class ItemPayload:
+    modality: str
+    placeholder: PlaceholderRange
+    mm_hash: str
+    kwargs: dict[str, Any]  # key -> torch tensor (a copy, independent of any lease)
+    fields: dict[str, FieldConfig]
+    msgpack: bytes  # vLLM's kwargs MessagePack: the producer's exact bytes when it sent them
+
+
+def item_payloads(multimodal: fpb.MultimodalRequest, consumer: Consumer | None,
+                  limits: Limits = DEFAULT_LIMITS, verify: str = "always") -> list[ItemPayload]:
+    """Open the features (identity verified), copy each item out of shared memory, release."""
+    from ..worker import open_request
+
+    raws = [it.kwargs_msgpack if it.HasField("kwargs_msgpack") else None
+            for b in multimodal.batches for it in b.items]
+    out: list[ItemPayload] = []
+    with open_request(consumer, multimodal, verify=verify, limits=limits) as inputs:
+        k = 0
+        for modality, items in inputs.mm_kwargs.items():
+            for j, kw in enumerate(items):
+                fields = inputs.mm_fields[modality][j]
+                copied = {key: t.clone() for key, t in kw.items()}
+                raw = raws[k] if raws[k] is not None else encode_kwargs_item(copied, fields)
+                out.append(ItemPayload(modality, inputs.mm_placeholders[modality][j].range,
+                                       inputs.mm_hashes[modality][j], copied, fields, bytes(raw)))
+                k += 1
+    return out

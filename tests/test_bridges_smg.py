@@ -1,0 +1,124 @@
+"""Bridge to SMG / `vllm serve --grpc`: parsed back with the real smg_grpc_proto classes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shmtransport.client import Consumer, Producer
+from shmtransport.embedmask import EmbedMask, PlaceholderRange
+from shmtransport.errors import InvalidArgument
+from shmtransport.protocol import frontend
+from shmtransport.protocol.bridges import Unrepresentable, smg
+from shmtransport.protocol.items import FeatureItem, FieldConfig
+from shmtransport.v1 import generate_pb2 as gpb
+
+vllm_engine_pb2 = pytest.importorskip("smg_grpc_proto.generated.vllm_engine_pb2")
+common_pb2 = pytest.importorskip("smg_grpc_proto.generated.common_pb2")
+
+
+def img(seed, offset, length=4, mask=None):
+    rng = np.random.default_rng(seed)
+    return FeatureItem("image", {"pixel_values": rng.standard_normal((2, 3), dtype=np.float32),
+                                 "image_grid_thw": np.int64([[1, 1, 2]])},
+                       PlaceholderRange(offset, length, None if mask is None else EmbedMask.from_bools(mask)),
+                       {"image_grid_thw": FieldConfig("batched", keep_on_cpu=True)})
+
+
+def video(seed, offset):
+    rng = np.random.default_rng(seed)
+    return FeatureItem("video", {"pixel_values_videos": rng.standard_normal((4, 3), dtype=np.float32),
+                                 "video_grid_thw": np.int64([[2, 1, 2]])}, PlaceholderRange(offset, 4))
+
+
+def gen(mm=None, **sampling):
+    r = gpb.GenerateRequest(request_id="r", token_ids=gpb.TokenIds(ids=list(range(20))))
+    if mm is not None:
+        r.multimodal.CopyFrom(mm)
+    for k, v in sampling.items():
+        setattr(r.sampling, k, v)
+    return r
+
+
+def parse(msg):
+    return vllm_engine_pb2.GenerateRequest.FromString(msg.SerializeToString())
+
+
+def tensor(td):
+    return np.frombuffer(td.inline, dtype=td.dtype).reshape(tuple(td.shape))
+
+
+def test_sampling_and_defaults():
+    r = gen(temperature=0.0, top_k=5, top_p=0.5, min_p=0.25, seed=7, logprobs=-1, repetition_penalty=1.0)
+    r.stopping.max_tokens = 9
+    r.stopping.stop.append("x")
+    out = parse(smg.to_smg(r))
+    s = out.sampling_params
+    assert list(out.tokenized.input_ids) == list(range(20))
+    assert s.HasField("temperature") and s.temperature == 0.0 and s.top_k == 5 and s.top_p == 0.5
+    assert s.min_p == 0.25 and s.seed == 7 and s.logprobs == -1 and s.max_tokens == 9 and list(s.stop) == ["x"]
+    assert s.skip_special_tokens and s.spaces_between_special_tokens and s.n == 1
+    omitted = parse(smg.to_smg(gen())).sampling_params
+    assert not omitted.HasField("temperature") and not omitted.HasField("max_tokens")
+    assert not omitted.HasField("logprobs") and not omitted.HasField("seed")
+
+
+@pytest.mark.parametrize("field,value,needle", [("top_k", -1, "top_k=-1"), ("top_k", 0, "top_k=0"),
+                                                ("min_p", 0.0, "min_p=0"), ("seed", 1 << 40, "seed")])
+def test_unrepresentable_sampling(field, value, needle):
+    with pytest.raises(Unrepresentable, match=needle):
+        smg.to_smg(gen(**{field: value}))
+
+
+@pytest.mark.parametrize("field,value", [("lora_name", "a"), ("cache_salt", "s"), ("priority", 1)])
+def test_unrepresentable_request_fields(field, value):
+    r = gen()
+    setattr(r, field, value)
+    with pytest.raises(Unrepresentable, match=field):
+        smg.to_smg(r)
+
+
+def test_text_prompt_rejected():
+    with pytest.raises(InvalidArgument, match="text prompt"):
+        smg.to_smg(gpb.GenerateRequest(text="hi"))
+
+
+def test_features_batched_per_modality_from_shm(daemon):
+    items = [img(1, 1), img(2, 6), video(3, 12)]
+    with Producer(daemon.socket_path, timeout_s=10) as producer, Consumer(daemon.socket_path, timeout_s=10) as consumer:
+        with frontend.build_request(producer, items, mode="shm", scheme="blake3") as built:
+            out = parse(smg.to_smg(gen(built.request), consumer))
+    mi = out.mm_inputs
+    assert mi.modality == 1  # SMG IMAGE
+    np.testing.assert_array_equal(tensor(mi.pixel_values), np.concatenate([items[0].kwargs["pixel_values"],
+                                                                           items[1].kwargs["pixel_values"]]))
+    np.testing.assert_array_equal(tensor(mi.model_specific_tensors["image_grid_thw"]), np.int64([[1, 1, 2]] * 2))
+    assert set(mi.batched_keys) == {"pixel_values", "image_grid_thw"} and list(mi.keep_on_cpu_keys) == ["image_grid_thw"]
+    assert [(p.offset, p.length) for p in mi.mm_placeholders] == [(1, 4), (6, 4)]
+    ours = [it.mm_hash for it in built.request.batches[0].items]
+    assert list(mi.mm_hashes) == [h.split(":", 1)[1] for h in ours] and len(mi.mm_hashes[0]) == 64
+    (vid,) = out.extra_mm_inputs
+    assert vid.modality == 3  # SMG VIDEO
+    np.testing.assert_array_equal(tensor(vid.model_specific_tensors["pixel_values_videos"]),
+                                  items[2].kwargs["pixel_values_videos"])
+
+
+def test_identity_rules():
+    built = frontend.build_request(None, [img(1, 1)], mode="inline")  # xxh3-128 identities
+    with pytest.raises(Unrepresentable, match="identity 'xxh3-128'"):
+        smg.to_smg(gen(built.request))
+    out = parse(smg.to_smg(gen(built.request), drop_identities=True))
+    assert list(out.mm_inputs.mm_hashes) == [] and len(out.mm_inputs.mm_placeholders) == 1
+
+
+def test_is_embed_mask_rejected():
+    built = frontend.build_request(None, [img(1, 1, 4, [True, False, True, True])], mode="inline", scheme="blake3")
+    with pytest.raises(Unrepresentable, match="is_embed"):
+        smg.to_smg(gen(built.request))
+
+
+def test_flat_field_rejected():
+    it = img(1, 1)
+    it.fields = {"pixel_values": FieldConfig("flat", slices=(slice(0, 2),), dim=0)}
+    built = frontend.build_request(None, [it], mode="inline", scheme="blake3")
+    with pytest.raises(Unrepresentable, match="flat"):
+        smg.to_smg(gen(built.request))
