@@ -1,6 +1,9 @@
 """Bridge to SMG / `vllm serve --grpc`: parsed back with the real smg_grpc_proto classes."""
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -122,3 +125,25 @@ def test_flat_field_rejected():
     built = frontend.build_request(None, [it], mode="inline", scheme="blake3")
     with pytest.raises(Unrepresentable, match="flat"):
         smg.to_smg(gen(built.request))
+
+
+def test_shm_handles_in_dedicated_segments_read_by_a_stock_reader(daemon):
+    from test_dedicated_segments import stock_read_and_unlink
+
+    items = [img(1, 1), img(2, 6)]
+    with Producer(daemon.socket_path, timeout_s=10) as producer, Consumer(daemon.socket_path, timeout_s=10) as consumer:
+        with frontend.build_request(producer, items, mode="shm", scheme="blake3") as built:
+            with smg.to_smg_shm(gen(built.request), consumer, producer) as res:
+                out = parse(res.request)
+                pv = out.mm_inputs.pixel_values
+                assert pv.WhichOneof("payload") == "shm" and pv.shm.offset == 0
+                names = {pv.shm.name, out.mm_inputs.model_specific_tensors["image_grid_thw"].shm.name}
+                assert len(names) == 2 and all(n in daemon.segment_names for n in names)
+                data = stock_read_and_unlink(pv.shm.name, pv.shm.offset, pv.shm.nbytes)
+                want = np.concatenate([items[0].kwargs["pixel_values"], items[1].kwargs["pixel_values"]])
+                np.testing.assert_array_equal(np.frombuffer(data, pv.dtype).reshape(tuple(pv.shape)), want)
+    deadline = time.monotonic() + 3
+    while daemon.stat().live_objects and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert daemon.stat().live_objects == 0
+    assert not any(os.path.exists(os.path.join("/dev/shm", n)) for n in names)

@@ -187,6 +187,7 @@ def test_server_info_capabilities():
     boot, _, dev = info.shm_namespace_id.rpartition(":")
     assert boot and dev.isdigit() and same_shm_namespace(info)
     assert set(info.identity_schemes) == {"xxh3-128", "blake3", "grpc-mm"}
+    assert info.supports_dedicated_segments and set(info.bridges) == {"smg", "vllm-grpc"}
     assert info.supports_native_generate and info.max_inline_items == 64 and info.max_inline_bytes == 16 << 20
     assert not same_shm_namespace(gpb.ServerInfo(shm_namespace_id="other:1"))
     assert ServerInfoServicer().GetServerInfo(gpb.ServerInfoRequest(), None).shm_namespace_id == info.shm_namespace_id

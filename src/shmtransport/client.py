@@ -377,6 +377,11 @@ class _Client:
 
     def _memory(self, shm: pb.Handle) -> memoryview:
         mapping = self._conn.mapping
+        if mapping is not None and shm.name != mapping.name and shm.offset == 0 \
+                and shm.name.startswith(mapping.name.rsplit("-", 1)[0] + "-obj"):
+            # A dedicated segment of this daemon (LoanRequest.dedicated): mapped on its own; the
+            # returned view keeps the mapping alive and it is unmapped once no view remains.
+            return arena.ArenaMapping(shm.name, shm.nbytes, self._writable).view(0, shm.nbytes)
         if mapping is None or shm.name != mapping.name:
             raise Unavailable(f"handle of segment {shm.name!r} is not this daemon's arena", Reason.INSTANCE_MISMATCH)
         return mapping.view(shm.offset, shm.nbytes)
@@ -492,15 +497,21 @@ class Producer(_Client):
         self.copy_threads = copy_threads
         super().__init__(socket_path, timeout_s, release_delay_s)
 
-    def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None) -> Loan:
+    def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
+             dedicated: bool = False) -> Loan:
         """Writable shared memory for one tensor: ``loan(nbytes)`` (uint8) or ``loan(shape=, dtype=)``."""
-        return self.loan_many([(nbytes, shape, dtype)])[0]
+        return self.loan_many([(nbytes, shape, dtype)], dedicated=dedicated)[0]
 
-    def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]]) -> list[Loan]:
-        """Loans for every ``(nbytes, shape, dtype)`` in one RPC (all or nothing)."""
+    def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]],
+                  dedicated: bool = False) -> list[Loan]:
+        """Loans for every ``(nbytes, shape, dtype)`` in one RPC (all or nothing).
+
+        ``dedicated``: each loan gets its own daemon-owned segment (handle offset 0) that a stock
+        reader may unlink after reading (SMG / vLLM ShmHandle readers); reclaimed like any loan."""
         typed = [_loan_spec(*spec) for spec in specs]
         request = pb.LoanRequest(
-            nbytes=[max(nbytes, 1) for _, _, nbytes in typed], wait_ms=int(self.alloc_wait_s * 1000)
+            nbytes=[max(nbytes, 1) for _, _, nbytes in typed], wait_ms=int(self.alloc_wait_s * 1000),
+            dedicated=dedicated,
         )
         response = self._call("Loan", request)
         return [
@@ -587,14 +598,16 @@ class Producer(_Client):
             finally:
                 super().close()
 
-    def put(self, tensor: Any, hash: bool = False, hold_ms: int = 0) -> Handle:
+    def put(self, tensor: Any, hash: bool = False, hold_ms: int = 0, dedicated: bool = False) -> Handle:
         """Copy one numpy array / torch tensor into shared memory (one copy, digest fused)."""
-        return self.put_many([tensor], hash=hash, hold_ms=hold_ms)[0]
+        return self.put_many([tensor], hash=hash, hold_ms=hold_ms, dedicated=dedicated)[0]
 
-    def put_many(self, tensors: Sequence[Any], hash: bool = False, hold_ms: int = 0) -> list[Handle]:
-        """Copy every tensor into shared memory with one Loan and one Commit RPC."""
+    def put_many(self, tensors: Sequence[Any], hash: bool = False, hold_ms: int = 0,
+                 dedicated: bool = False) -> list[Handle]:
+        """Copy every tensor into shared memory with one Loan and one Commit RPC (``dedicated``:
+        one segment per tensor, see ``loan_many``)."""
         sources = [as_byte_array(t) for t in tensors]
-        loans = self.loan_many([(src.nbytes, shape, dt) for src, dt, shape in sources])
+        loans = self.loan_many([(src.nbytes, shape, dt) for src, dt, shape in sources], dedicated=dedicated)
         try:
             for loan, (src, _, _) in zip(loans, sources):
                 if hash:

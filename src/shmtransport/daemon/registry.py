@@ -9,7 +9,8 @@ Handles are checked against the allocation that currently lives at their offset:
 segment, offset, size and generation, or the call is refused. Generations are never reused, so a
 handle to freed or re-allocated bytes is always detected (no ABA).
 
-All methods take the one registry lock; none blocks or does I/O under it.
+All methods take the one registry lock; none blocks or does I/O under it, except freeing a
+dedicated segment (one unlink + close; creating them happens outside the lock).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ..errors import (
 )
 from ..v1 import daemon_pb2 as pb
 from .allocator import Allocator
+from .segments import Segment
 
 _RATE_WINDOW_S = 5.0
 
@@ -65,6 +67,9 @@ class Allocation:
     hold_until: float = 0.0  # monotonic deadline; 0 = no hold
     leases: set[int] = dataclasses.field(default_factory=set)
     commit_token: bytes = b""  # presenting it in Acquire commits the loan (commit by handoff)
+    # Dedicated segment per object (LoanRequest.dedicated): the object's own segment; ``offset`` is
+    # then the registry key ``-generation`` (never an arena offset) and the handle says offset 0.
+    segment: Segment | None = None
 
 
 @dataclasses.dataclass
@@ -95,7 +100,8 @@ class Registry:
         self._lock = threading.Lock()
         self._committed = threading.Condition(self._lock)  # notified on every commit
         self._freed = threading.Condition(self._lock)  # notified whenever bytes are freed
-        self._objects: dict[int, Allocation] = {}  # offset -> allocation
+        self._objects: dict[int, Allocation] = {}  # offset (dedicated: -generation) -> allocation
+        self._dedicated: dict[str, int] = {}  # dedicated segment name -> key in _objects
         self._leases: dict[int, Lease] = {}
         self._sessions: dict[str, Session] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (when, kind, key) lazily invalidated
@@ -181,6 +187,68 @@ class Registry:
                 tokens.append(obj.commit_token)
             self.counters["allocations_total"] += len(sizes)
             return handles, tokens
+
+    def loan_dedicated(self, session_id: str, sizes: Iterable[int]) -> tuple[list[pb.Handle], list[bytes]]:
+        """One new segment ``{prefix}-{instance}-obj{generation}`` per size (all or nothing). The
+        segments are created outside the lock; the quota is checked before and after."""
+        sizes = list(sizes)
+        self._check_batch(sizes, "nbytes")
+        for nbytes in sizes:
+            if nbytes < 1:
+                raise InvalidArgument(f"nbytes must be >= 1, got {nbytes}")
+        total = sum(sizes)
+        with self._lock:
+            session = self._live_session(session_id)
+            self._check_quota(session, total)
+            first = self._next_generation
+            self._next_generation += len(sizes)
+        base = self.segment_name.rsplit("-", 1)[0]
+        segments: list[Segment] = []
+        try:
+            for i, nbytes in enumerate(sizes):
+                segments.append(Segment.create(f"{base}-obj{first + i}", nbytes))
+            with self._lock:
+                session = self._live_session(session_id)
+                self._check_quota(session, total)
+                now = time.monotonic()
+                handles, tokens = [], []
+                for i, (nbytes, seg) in enumerate(zip(sizes, segments)):
+                    gen = first + i
+                    obj = Allocation(-gen, nbytes, gen, session_id, commit_token=secrets.token_bytes(16), segment=seg)
+                    self._objects[-gen] = obj
+                    self._dedicated[seg.name] = -gen
+                    session.producer_refs.add(-gen)
+                    session.owned_nbytes += nbytes
+                    self._alloc_times.append(now)
+                    handles.append(self._handle(obj))
+                    tokens.append(obj.commit_token)
+                self.counters["allocations_total"] += len(sizes)
+                self.counters["dedicated_total"] += len(sizes)
+                return handles, tokens
+        except BaseException:
+            for seg in segments:
+                seg.unlink()
+            raise
+
+    def _check_quota(self, session: Session, total: int) -> None:
+        if session.owned_nbytes + total > self.limits.quota_nbytes:
+            self.counters["allocation_failures"] += 1
+            raise ResourceExhausted(
+                f"quota exceeded: session holds {session.owned_nbytes} bytes, asks {total} more, "
+                f"quota {self.limits.quota_nbytes}",
+                Reason.QUOTA_EXCEEDED,
+            )
+
+    def dedicated_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._dedicated)
+
+    def unlink_dedicated(self) -> None:
+        """Daemon shutdown: unlink every dedicated segment still registered."""
+        with self._lock:
+            segments = [self._objects[key].segment for key in self._dedicated.values()]
+        for seg in segments:
+            seg.unlink()
 
     def commit(self, session_id: str, handles: Iterable[pb.Handle], hold_ms: int) -> None:
         handles = list(handles)
@@ -306,8 +374,8 @@ class Registry:
             h
             for h in handles
             if h.instance_id == self.instance_id
-            and h.offset in session.producer_refs
-            and self._objects[h.offset].generation == h.generation
+            and self._key(h) in session.producer_refs
+            and self._objects[self._key(h)].generation == h.generation
         ]
         return held, [lease_id for lease_id in lease_ids if lease_id in session.leases]
 
@@ -388,7 +456,16 @@ class Registry:
             raise PermissionDenied("unknown or closed session: connect through the daemon's handshake")
         return session
 
+    def _key(self, h: pb.Handle) -> int | None:
+        """The registry key a handle names: its arena offset, or a dedicated segment's key."""
+        if h.name == self.segment_name:
+            return h.offset
+        return self._dedicated.get(h.name)
+
     def _handle(self, obj: Allocation) -> pb.Handle:
+        if obj.segment is not None:
+            return pb.Handle(name=obj.segment.name, offset=0, nbytes=obj.nbytes, owner_id=obj.owner,
+                             generation=obj.generation, instance_id=self.instance_id)
         return pb.Handle(
             name=self.segment_name,
             offset=obj.offset,
@@ -407,7 +484,7 @@ class Registry:
                 Reason.INSTANCE_MISMATCH,
             )
         if h.name != self.segment_name:
-            raise HandleError(f"unknown segment {h.name!r}")
+            return self._resolve_dedicated(h)
         if h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes:
             raise HandleError(
                 f"offset {h.offset} + nbytes {h.nbytes} outside the arena of {self.allocator.nbytes} bytes",
@@ -425,6 +502,22 @@ class Registry:
             raise HandleError(
                 f"handle nbytes {h.nbytes} does not match the allocation ({obj.nbytes})", Reason.OUT_OF_BOUNDS
             )
+        return obj
+
+    def _resolve_dedicated(self, h: pb.Handle) -> Allocation:
+        key = self._dedicated.get(h.name)
+        base = self.segment_name.rsplit("-", 1)[0] + "-obj"
+        if key is None:
+            gen = h.name[len(base):] if h.name.startswith(base) else ""
+            if gen.isdigit() and 0 < int(gen) < self._next_generation:
+                raise HandleError(f"stale handle: dedicated segment {h.name!r} was freed", Reason.STALE_HANDLE)
+            raise HandleError(f"unknown segment {h.name!r}")
+        obj = self._objects[key]
+        if h.offset != 0 or h.nbytes != obj.nbytes:
+            raise HandleError(f"handle [{h.offset}, +{h.nbytes}) does not match dedicated segment {h.name!r} "
+                              f"({obj.nbytes} bytes at offset 0)", Reason.OUT_OF_BOUNDS)
+        if obj.generation != h.generation:
+            raise HandleError(f"stale handle: generation {h.generation} != {obj.generation}", Reason.STALE_HANDLE)
         return obj
 
     def _drop_producer_ref(self, obj: Allocation, session: Session | None) -> int:
@@ -447,6 +540,11 @@ class Registry:
         if obj.producer_ref or obj.leases or obj.hold_until:
             return 0
         del self._objects[obj.offset]
-        self.allocator.free(obj.offset)
+        if obj.segment is not None:
+            # A stock reader may have unlinked the name already: Segment.unlink tolerates that.
+            del self._dedicated[obj.segment.name]
+            obj.segment.unlink()
+        else:
+            self.allocator.free(obj.offset)
         self._freed.notify_all()
         return obj.nbytes

@@ -96,7 +96,10 @@ class _Servicer(pb_grpc.DaemonServicer):
         session_id = self._session_id(context)
         self._piggybacked_release(session_id, request)
         wait_s = _bounded_wait(min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000, context)
-        handles, tokens = self._waiting(wait_s, lambda w: self._registry.loan(session_id, request.nbytes, w))
+        if request.dedicated:
+            handles, tokens = self._registry.loan_dedicated(session_id, request.nbytes)
+        else:
+            handles, tokens = self._waiting(wait_s, lambda w: self._registry.loan(session_id, request.nbytes, w))
         return pb.LoanResponse(handles=handles, commit_tokens=tokens)
 
     @_typed_errors
@@ -266,6 +269,8 @@ class Daemon:
             self._metrics_server.server_close()
         if self.sessions is not None:
             self.sessions.stop()
+        if self.registry is not None:
+            self.registry.unlink_dedicated()
         if self._segment is not None:
             self._segment.unlink()
         for path in (self.config.socket_path,):
@@ -290,7 +295,8 @@ class Daemon:
 
     @property
     def segment_names(self) -> list[str]:
-        return [self._segment.name] if self._segment is not None else []
+        names = [self._segment.name] if self._segment is not None else []
+        return names + (self.registry.dedicated_names() if self.registry is not None else [])
 
     def __repr__(self) -> str:
         return f"Daemon(instance={self.instance_id}, socket={self.config.socket_path!r}, {self._state})"

@@ -49,14 +49,16 @@ class ArenaInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., segment_name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm_namespace: _Optional[str] = ...) -> None: ...
 
 class LoanRequest(_message.Message):
-    __slots__ = ("nbytes", "wait_ms", "release")
+    __slots__ = ("nbytes", "wait_ms", "release", "dedicated")
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_FIELD_NUMBER: _ClassVar[int]
     nbytes: _containers.RepeatedScalarFieldContainer[int]
     wait_ms: int
     release: ReleaseRequest
-    def __init__(self, nbytes: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
+    dedicated: bool
+    def __init__(self, nbytes: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., dedicated: _Optional[bool] = ...) -> None: ...
 
 class LoanResponse(_message.Message):
     __slots__ = ("handles", "commit_tokens")

@@ -11,7 +11,7 @@ __all__ = ["server_info", "same_shm_namespace", "ServerInfoServicer"]
 
 
 def server_info(limits: Limits = DEFAULT_LIMITS, *, native_generate: bool = False,
-                dedicated_segments: bool = False) -> gpb.ServerInfo:
+                dedicated_segments: bool = True) -> gpb.ServerInfo:
     return gpb.ServerInfo(
         shm_namespace_id=shm_namespace_id(), identity_schemes=list(SCHEMES),
         supports_native_generate=native_generate, max_items=limits.max_items,

@@ -5,8 +5,13 @@ Features become SMG's per-modality batched form: ``mm_inputs`` (first batch) and
 ``extra_mm_inputs`` (further batches); per key, batched fields are concatenated along dim 0 across
 the batch's items (``pixel_values`` -> ``pixel_values``, others -> ``model_specific_tensors`` and
 ``batched_keys``); a shared field is carried once (not listed in ``batched_keys``: SMG's "shared
-across all images"); ``keep_on_cpu_keys`` follow the fields. Tensors are carried inline
-(``TensorData.inline``).
+across all images"); ``keep_on_cpu_keys`` follow the fields.
+
+Tensors are carried inline (``TensorData.inline``, ``to_smg``) or, with ``to_smg_shm``, as
+``ShmHandle``s a stock worker reads: each tensor is put in its OWN daemon-owned segment
+(``Producer.put(dedicated=True)``, handle ``name`` = that segment, offset 0), because the stock
+reader unlinks the segment after reading; the daemon tolerates that and reclaims the object when
+the returned handles are released and ``hold_ms`` (if any) has passed.
 
 Not representable (rejected, the message names the control): explicit ``top_k`` -1/0 and
 ``min_p`` 0 (SMG's plain ``uint32`` / ``float`` read 0 as unset); ``seed`` outside int32;
@@ -29,7 +34,50 @@ from .common import item_payloads, unrepresentable
 TARGET = "SMG vllm_engine.GenerateRequest"
 _I32 = (-(1 << 31), (1 << 31) - 1)
 
-__all__ = ["to_smg", "TARGET"]
+__all__ = ["to_smg", "to_smg_shm", "SmgRequest", "TARGET"]
+
+
+class SmgRequest:
+    """An SMG request whose tensors live in dedicated segments; ``release()`` once the worker has
+    read them (or rely on ``hold_ms``). A context manager."""
+
+    def __init__(self, request, producer, handles):
+        self.request = request
+        self._producer = producer
+        self.handles = handles
+
+    def release(self) -> None:
+        if self.handles:
+            handles, self.handles = self.handles, []
+            self._producer.release(handles)
+
+    def __enter__(self) -> "SmgRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def to_smg_shm(req: gpb.GenerateRequest, consumer: Consumer | None, producer, *, hold_ms: int = 0,
+               drop_identities: bool = False, limits: Limits = DEFAULT_LIMITS) -> SmgRequest:
+    """Like ``to_smg`` but every batched tensor goes into its own dedicated segment (ShmHandle)."""
+    handles: list = []
+
+    def sink(td, tensor) -> None:
+        h = producer.put(tensor, hold_ms=hold_ms, dedicated=True)
+        handles.append(h)
+        td.shape.extend(h.shape)
+        td.dtype = h.dtype
+        s = h.shm
+        td.shm.name, td.shm.offset, td.shm.nbytes, td.shm.owner_id = s.name, s.offset, s.nbytes, s.owner_id
+
+    try:
+        msg = to_smg(req, consumer, drop_identities=drop_identities, limits=limits, _sink=sink)
+    except BaseException:
+        if handles:
+            producer.release(handles)
+        raise
+    return SmgRequest(msg, producer, handles)
 
 
 def _pb():
@@ -39,7 +87,7 @@ def _pb():
 
 
 def to_smg(req: gpb.GenerateRequest, consumer: Consumer | None = None, *, drop_identities: bool = False,
-           limits: Limits = DEFAULT_LIMITS):
+           limits: Limits = DEFAULT_LIMITS, _sink=None):
     pb = _pb()
     tokens = prompt_token_ids(req)
     sp = project_sampling(req)
@@ -91,11 +139,11 @@ def to_smg(req: gpb.GenerateRequest, consumer: Consumer | None = None, *, drop_i
         raise unrepresentable(TARGET, "multimodal.raw_media", "SMG takes media_refs with unexpanded anchors, not "
                                                              "placeholder-aligned raw media")
     if mm.batches:
-        _features(pb, out, mm, consumer, drop_identities, limits)
+        _features(pb, out, mm, consumer, drop_identities, limits, _sink or _tensor_data)
     return out
 
 
-def _features(pb, out, mm, consumer, drop_identities, limits) -> None:
+def _features(pb, out, mm, consumer, drop_identities, limits, sink) -> None:
     import torch
 
     from ..items import modality_to_pb
@@ -135,7 +183,7 @@ def _features(pb, out, mm, consumer, drop_identities, limits) -> None:
             else:
                 t = items[0].kwargs[key]
             td = msg.pixel_values if key == "pixel_values" else msg.model_specific_tensors[key]
-            _tensor_data(td, t)
+            sink(td, t)
             if field.kind == "batched":
                 msg.batched_keys.append(key)
             if field.keep_on_cpu:
