@@ -1,12 +1,13 @@
 """Remote tier (issue 9): NIXL reads between daemons that do not share /dev/shm, explicit fallback.
 
-Two in-process daemons advertise different shm namespace ids (``advertise_namespace``), which is how
-one machine simulates two nodes; readers run in spawned children with UCX on loopback only.
+Two daemons advertise different shm namespace ids (``advertise_namespace``), which is how one machine
+simulates two nodes. Daemons, producer and readers all run in spawned children with UCX on loopback
+only: NIXL is never loaded in the pytest process (nixl-cu12 and grpcio-tools' in-process protoc,
+which test_proto_generated runs, crash when loaded together).
 """
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -14,18 +15,31 @@ import pytest
 from shmtransport import remote
 from shmtransport.client import Consumer, Producer
 from shmtransport.errors import HandleError, IdentityMismatch, InvalidArgument, Unavailable
-from shmtransport.testing import BlockingChild, run_in_child, wait_until
+from shmtransport.testing import BlockingChild, run_in_child
 
-# Loopback only, never any other address; set before any NIXL agent exists in this process.
+# Loopback only, never any other address; set in every child before its NIXL agent exists.
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
-for _k, _v in UCX_ENV.items():
-    os.environ.setdefault(_k, _v)
 
-needs_nixl = pytest.mark.skipif(
-    not remote.nixl_available(), reason=f"NIXL cannot be imported here ({remote.EXTRA_HINT} to run these tests)"
-)
+def _nixl_importable() -> bool:
+    """Checked in a subprocess: this process must never load NIXL (nixl-cu12's bundled libraries and
+    grpcio-tools' protoc crash in one process, and test_proto_generated runs protoc in-process)."""
+    import subprocess
+    import sys
+
+    if os.environ.get("SHMTRANSPORT_DISABLE_NIXL") == "1":
+        return False
+    code = "import importlib,sys\nfor m in ('nixl_cu12','nixl'):\n  try:\n    mod=importlib.import_module(m)\n  except ImportError:\n    continue\n  sys.exit(0 if hasattr(mod,'nixl_agent') else 1)\nsys.exit(1)"
+    try:
+        return subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+NIXL_OK = _nixl_importable()
+needs_nixl = pytest.mark.skipif(not NIXL_OK, reason=f"NIXL cannot be imported here ({remote.EXTRA_HINT} to run these tests)")
 TIMEOUT_S = 60
 MiB = 1 << 20
+ARENA_NBYTES = 32 * MiB
 
 
 def _child_env():
@@ -33,20 +47,78 @@ def _child_env():
         os.environ[k] = v
 
 
-def _make_pair(make_daemon):
+def host_two_nodes(conn):
+    """'Node A' and 'node B' daemons (remote extension, namespaces test-node-a/-b) and a producer
+    on A, in one child, so that NIXL never loads in the pytest process. Serves commands."""
+    _child_env()
+    from shmtransport import testing
+    from shmtransport.remote import COUNTERS, RemoteExporter, namespace_of
     from shmtransport.remote.daemon_ext import remote_extension
 
-    a = make_daemon(extensions=[remote_extension(advertise_namespace="test-node-a")])
-    b = make_daemon(extensions=[remote_extension(advertise_namespace="test-node-b")])
-    return a, b
+    daemons = []
+    try:
+        for ns in ("test-node-a", "test-node-b"):
+            daemons.append(testing.start_daemon(arena_nbytes=ARENA_NBYTES,
+                                                extensions=[remote_extension(advertise_namespace=ns)]))
+        a, b = daemons
+        with Producer(a.socket_path) as producer, Consumer(b.socket_path) as local_consumer:
+            exporter = RemoteExporter(producer)
+            handles = []
+            conn.send(("ready", b.socket_path, exporter.info.endpoint, namespace_of(producer), namespace_of(local_consumer)))
+            while True:
+                msg = conn.recv()
+                cmd, *args = (msg,) if isinstance(msg, str) else msg
+                if cmd == "exit":
+                    break
+                if cmd == "put":
+                    new = producer.put_many(args[0], hash=True)
+                    handles.extend(new)
+                    consumer_ns = namespace_of(local_consumer)
+                    conn.send([(h.to_proto().SerializeToString(),
+                                exporter.tensor_data(h, consumer_ns).SerializeToString(),
+                                exporter.tensor_data(h, namespace_of(producer)).WhichOneof("payload"))
+                               for h in new])
+                elif cmd == "stat":
+                    conn.send((a.stat().live_leases, a.remote.live_sessions, COUNTERS.snapshot()))
+                elif cmd == "settle":
+                    ok = testing.wait_until(lambda: a.stat().live_leases == 0 and a.remote.live_sessions == 0,
+                                            args[0], what="remote leases and sessions gone")
+                    conn.send(bool(ok))
+                elif cmd == "release_all":
+                    producer.release(handles, wait=True)
+                    handles.clear()
+                    conn.send(a.stat().live_objects)
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+            if handles:
+                producer.release(handles, wait=True)
+    finally:
+        leftovers = [testing.stop_daemon(d) for d in daemons]
+    return leftovers
 
 
-def _put(producer, arrays):
-    return producer.put_many(arrays, hash=True)
+class Nodes:
+    def __init__(self):
+        self.child = BlockingChild(host_two_nodes)
+        _, self.b_socket, self.endpoint, self.ns_a, self.ns_b = self.child.recv(TIMEOUT_S)
+
+    def ask(self, *cmd):
+        self.child.send(cmd)
+        return self.child.recv(TIMEOUT_S)
+
+    def close(self):
+        leftovers = self.child.finish(timeout_s=TIMEOUT_S)
+        self.child.process.close()
+        assert leftovers == [[], []], f"daemon segments left behind: {leftovers}"
 
 
-def _live_leases(daemon) -> int:
-    return daemon.stat().live_leases
+@pytest.fixture
+def nodes():
+    n = Nodes()
+    try:
+        yield n
+    finally:
+        n.child.close() if n.child._done is not None else n.close()
 
 
 # -- children ------------------------------------------------------------------------------------
@@ -70,19 +142,22 @@ def child_resolve(consumer_socket: str, blobs: list[bytes], slot_nbytes: int) ->
     return out
 
 
-def child_read_expect_error(remote_blob: bytes) -> tuple[str, str, str]:
-    """Read one remote handle; return the typed error (class name, reason, message)."""
+def child_read_expect_errors(remote_blobs: list[bytes]) -> list[tuple[str, str, str]]:
+    """Read each remote handle; the typed error each gave (class name, reason, message)."""
     _child_env()
-    from shmtransport.remote import RemoteReader
     from shmtransport.errors import ShmTransportError
+    from shmtransport.remote import RemoteReader
 
+    out = []
     with RemoteReader(pool_slots=1, slot_nbytes=MiB, timeout_s=20) as reader:
-        try:
-            buf = reader.read(remote_blob)
-        except ShmTransportError as exc:
-            return type(exc).__name__, exc.reason.value, exc.message
-        buf.release()
-        return "", "", "no error"
+        for blob in remote_blobs:
+            try:
+                reader.read(blob).release()
+            except ShmTransportError as exc:
+                out.append((type(exc).__name__, exc.reason.value, exc.message))
+            else:
+                out.append(("", "", "no error"))
+    return out
 
 
 def child_acquire_and_block(conn, endpoint: str, tensor_blob: bytes):
@@ -101,15 +176,18 @@ def child_acquire_and_block(conn, endpoint: str, tensor_blob: bytes):
 
 
 # -- tests ---------------------------------------------------------------------------------------
-def test_transport_choice_is_shm_for_equal_namespaces_remote_otherwise_and_counted():
+def test_transport_choice_is_shm_for_equal_namespaces_remote_otherwise_and_counted(monkeypatch):
+    from shmtransport.remote import transport
+
+    monkeypatch.setattr(transport, "nixl_available", lambda: True)  # no NIXL load in this process
     counters = remote.TransportCounters()
     seen = []
     counters.hooks.append(lambda t, n: seen.append((t, n)))
     assert remote.choose_transport("boot:1", "boot:1", nbytes=10, counters=counters) == "shm"
-    if remote.nixl_available():
-        assert remote.choose_transport("boot:1", "boot:2", nbytes=20, counters=counters) == "remote"
-        assert counters.snapshot() == {"shm": 1, "remote": 1, "inline": 0}
-        assert seen == [("shm", 10), ("remote", 20)]
+    assert remote.choose_transport("boot:1", "boot:2", nbytes=20, counters=counters) == "remote"
+    assert remote.choose_transport("", "", nbytes=30, counters=counters) == "remote"  # unknown: never shm
+    assert counters.snapshot() == {"shm": 1, "remote": 2, "inline": 0}
+    assert seen == [("shm", 10), ("remote", 20), ("remote", 30)]
 
 
 def test_without_nixl_remote_fails_typed_naming_the_extra_and_inline_only_when_allowed(monkeypatch):
@@ -129,6 +207,7 @@ def test_without_nixl_remote_fails_typed_naming_the_extra_and_inline_only_when_a
     with pytest.raises(InvalidArgument, match="allow_inline"):
         resolve(inline, counters=counters)
     assert resolve(inline, allow_inline=True, counters=counters).tolist() == [1, 2]
+    assert counters.snapshot()["inline"] == 2
 
 
 def test_descriptor_checks_transport_version_and_nbytes_before_any_rpc():
@@ -139,100 +218,94 @@ def test_descriptor_checks_transport_version_and_nbytes_before_any_rpc():
                         dtype="float32", shape=[4])
     rh = descriptor.encode(t, "127.0.0.1:1", "agent", "ns")
     assert descriptor.decode(rh.SerializeToString()).tensor == t
-    bad = type(rh)(); bad.CopyFrom(rh); bad.nbytes = 32
-    with pytest.raises(InvalidArgument, match="nbytes"):
-        descriptor.decode(bad)
-    bad.CopyFrom(rh); bad.transport = "rdma"
-    with pytest.raises(InvalidArgument, match="transport"):
-        descriptor.decode(bad)
-    bad.CopyFrom(rh); bad.descriptor = b"\xff\xff garbage"
-    with pytest.raises(InvalidArgument):
-        descriptor.decode(bad)
+    bad = type(rh)()
+    for field, value, match in (("nbytes", 32, "nbytes"), ("transport", "rdma", "transport"),
+                                ("descriptor", b"\xff\xff garbage", "descriptor")):
+        bad.CopyFrom(rh)
+        setattr(bad, field, value)
+        with pytest.raises(InvalidArgument, match=match):
+            descriptor.decode(bad)
+    wrong_shape = pb.TensorHandle(); wrong_shape.CopyFrom(t); wrong_shape.shape[:] = [5]
+    with pytest.raises(InvalidArgument, match="bytes"):
+        descriptor.decode(descriptor.encode(wrong_shape, "127.0.0.1:1", "agent", "ns"))
 
 
 @needs_nixl
-def test_remote_read_across_namespaces_is_byte_identical_and_digest_verified(make_daemon):
-    from shmtransport.remote import COUNTERS, RemoteExporter, namespace_of
-
-    a, b = _make_pair(make_daemon)
+def test_remote_read_across_namespaces_is_byte_identical_and_digest_verified(nodes):
+    assert (nodes.ns_a, nodes.ns_b) == ("test-node-a", "test-node-b")
+    assert nodes.endpoint.startswith("127.0.0.1:")
     rng = np.random.default_rng(9)
     arrays = [
-        rng.standard_normal((16, 8)).astype(np.float32),          # pooled slot
-        rng.integers(0, 255, 3 * MiB, dtype=np.uint8),           # larger than a slot: dynamic
-        np.zeros((0, 4), dtype=np.float16),                        # zero-size
+        rng.standard_normal((16, 8)).astype(np.float32),  # a pool slot
+        rng.integers(0, 255, 3 * MiB, dtype=np.uint8),   # larger than a slot: registered for itself
+        np.zeros((0, 4), dtype=np.float16),               # zero-size
     ]
-    COUNTERS.reset()
-    with Producer(a.socket_path) as producer, Consumer(b.socket_path) as local_consumer:
-        assert namespace_of(producer) == "test-node-a" and namespace_of(local_consumer) == "test-node-b"
-        exporter = RemoteExporter(producer)
-        assert exporter.info.endpoint.startswith("127.0.0.1:")
-        handles = _put(producer, arrays)
-        tds = [exporter.tensor_data(h, namespace_of(local_consumer)) for h in handles]
-        assert [td.WhichOneof("payload") for td in tds] == ["remote"] * 3
-        assert COUNTERS.snapshot()["remote"] == 3
-        got = run_in_child(child_resolve, b.socket_path, [td.SerializeToString() for td in tds], MiB,
-                           timeout_s=TIMEOUT_S)
-        for want, have in zip(arrays, got["arrays"]):
-            assert have.dtype == want.dtype and have.shape == want.shape and np.array_equal(have, want)
-        assert got["pooled"] == [True, False, True]
-        assert got["counters"]["remote"] == 3 and got["namespace"] == "test-node-b"
-        # Same namespace: shm, no NIXL.
-        same = exporter.tensor_data(handles[0], namespace_of(producer))
-        assert same.WhichOneof("payload") == "shm"
-        producer.release(handles, wait=True)
-    wait_until(lambda: _live_leases(a) == 0, 5, what="remote leases released after the reads")
-    assert a.remote.live_sessions == 0
+    put = nodes.ask("put", arrays)
+    assert [same_ns for _, _, same_ns in put] == ["shm"] * 3  # same namespace: no NIXL
+    tds = [td for _, td, _ in put]
+    got = run_in_child(child_resolve, nodes.b_socket, tds, MiB, timeout_s=TIMEOUT_S)
+    for want, have in zip(arrays, got["arrays"]):
+        assert have.dtype == want.dtype and have.shape == want.shape and np.array_equal(have, want)
+    assert got["pooled"] == [True, False, True]
+    assert got["counters"]["remote"] == 3 and got["namespace"] == "test-node-b"
+    assert nodes.ask("settle", 5) is True
+    leases, sessions, counters = nodes.ask("stat")
+    assert counters["remote"] == 3 and counters["shm"] == 3
+    assert nodes.ask("release_all") == 0
 
 
 @needs_nixl
-def test_forged_descriptor_nbytes_mismatch_tampered_bytes_and_gone_peer_give_typed_errors(make_daemon):
-    from shmtransport.remote import RemoteExporter, descriptor
+def test_forged_descriptor_tampered_bytes_and_gone_peer_give_typed_errors_and_release_leases(nodes):
+    from shmtransport.v1 import features_pb2 as fpb
     from shmtransport.v1 import remote_pb2 as rpb
 
-    a, _ = _make_pair(make_daemon)
-    with Producer(a.socket_path) as producer:
-        exporter = RemoteExporter(producer)
-        [h] = _put(producer, [np.arange(1024, dtype=np.int32)])
-        good = exporter.export(h)
+    [(_, td_blob, _)] = nodes.ask("put", [np.arange(1024, dtype=np.int32)])
+    good = fpb.TensorData.FromString(td_blob).remote
 
-        forged_desc = rpb.NixlDescriptor.FromString(good.descriptor)
-        forged_desc.tensor.shm.generation += 1000
-        forged = type(good)(transport="nixl", descriptor=forged_desc.SerializeToString(), nbytes=good.nbytes)
-        cls, reason, _ = run_in_child(child_read_expect_error, forged.SerializeToString(), timeout_s=TIMEOUT_S)
-        assert cls == HandleError.__name__ and reason == "bad_handle"
+    def variant(edit):
+        desc = rpb.NixlDescriptor.FromString(good.descriptor)
+        edit(desc)
+        return fpb.RemoteTensorHandle(transport="nixl", descriptor=desc.SerializeToString(),
+                                      nbytes=good.nbytes).SerializeToString()
 
-        mismatch = type(good)(); mismatch.CopyFrom(good); mismatch.nbytes += 4
-        with pytest.raises(InvalidArgument, match="nbytes"):
-            descriptor.decode(mismatch)
-
-        wrong_digest = rpb.NixlDescriptor.FromString(good.descriptor)
-        wrong_digest.tensor.digest = bytes(16)
-        tampered = type(good)(transport="nixl", descriptor=wrong_digest.SerializeToString(), nbytes=good.nbytes)
-        cls, reason, _ = run_in_child(child_read_expect_error, tampered.SerializeToString(), timeout_s=TIMEOUT_S)
-        assert cls == IdentityMismatch.__name__
-        wait_until(lambda: _live_leases(a) == 0, 5, what="leases released after a failed verification")
-
-        gone = rpb.NixlDescriptor.FromString(good.descriptor)
-        gone.endpoint = "127.0.0.1:1"  # nothing listens there
-        gone_handle = type(good)(transport="nixl", descriptor=gone.SerializeToString(), nbytes=good.nbytes)
-        cls, reason, msg = run_in_child(child_read_expect_error, gone_handle.SerializeToString(), timeout_s=TIMEOUT_S)
-        assert cls == Unavailable.__name__ and "127.0.0.1:1" in msg
-        producer.release([h], wait=True)
+    forged = variant(lambda d: setattr(d.tensor.shm, "generation", d.tensor.shm.generation + 1000))
+    tampered = variant(lambda d: setattr(d.tensor, "digest", bytes(16)))
+    gone = variant(lambda d: setattr(d, "endpoint", "127.0.0.1:1"))  # nothing listens there
+    other_offset = variant(lambda d: setattr(d.tensor.shm, "offset", d.tensor.shm.offset + 4096))
+    mismatch = fpb.RemoteTensorHandle(); mismatch.CopyFrom(good); mismatch.nbytes += 4
+    results = run_in_child(child_read_expect_errors,
+                           [forged, tampered, gone, other_offset, mismatch.SerializeToString()], timeout_s=TIMEOUT_S)
+    (c1, r1, _), (c2, r2, _), (c3, r3, m3), (c4, r4, _), (c5, r5, m5) = results
+    assert (c1, r1) == (HandleError.__name__, "bad_handle")
+    assert (c2, r2) == (IdentityMismatch.__name__, "identity_mismatch")
+    assert c3 == Unavailable.__name__ and "127.0.0.1:1" in m3
+    assert c4 == HandleError.__name__
+    assert (c5, r5) == (InvalidArgument.__name__, "invalid_argument") and "nbytes" in m5
+    assert nodes.ask("settle", 5) is True  # every failure path released its lease
 
 
 @needs_nixl
-def test_remote_peer_that_dies_mid_read_has_its_leases_reclaimed(make_daemon):
-    from shmtransport.remote import RemoteExporter
+def test_remote_peer_that_dies_mid_read_has_its_leases_reclaimed(nodes):
+    [(tensor_blob, _, _)] = nodes.ask("put", [np.ones(4096, dtype=np.uint8)])
+    with BlockingChild(child_acquire_and_block, nodes.endpoint, tensor_blob) as child:
+        lease_ids = child.recv(timeout_s=TIMEOUT_S)
+        assert len(lease_ids) == 1
+        leases, sessions, _ = nodes.ask("stat")
+        assert (leases, sessions) == (1, 1)
+        child.kill()
+    assert nodes.ask("settle", 10) is True  # the dead peer's session closed, its lease reclaimed
 
-    a, _ = _make_pair(make_daemon)
-    with Producer(a.socket_path) as producer:
-        exporter = RemoteExporter(producer)
-        [h] = _put(producer, [np.ones(4096, dtype=np.uint8)])
-        with BlockingChild(child_acquire_and_block, exporter.info.endpoint, h.to_proto().SerializeToString()) as child:
-            lease_ids = child.recv(timeout_s=TIMEOUT_S)
-            assert len(lease_ids) == 1
-            assert _live_leases(a) == 1 and a.remote.live_sessions == 1
-            child.kill()
-        wait_until(lambda: _live_leases(a) == 0 and a.remote.live_sessions == 0, 10,
-                   what="the dead peer's session closed and its lease reclaimed")
-        producer.release([h], wait=True)
+
+@needs_nixl
+def test_remote_read_after_the_owning_daemon_stopped_is_unavailable():
+    child = BlockingChild(host_two_nodes)
+    _, _, endpoint, _, _ = child.recv(TIMEOUT_S)
+    child.send(("put", [np.ones(64, dtype=np.uint8)]))
+    [(_, td_blob, _)] = child.recv(TIMEOUT_S)
+    assert child.finish(timeout_s=TIMEOUT_S) == [[], []]
+    child.process.close()
+    from shmtransport.v1 import features_pb2 as fpb
+
+    remote_blob = fpb.TensorData.FromString(td_blob).remote.SerializeToString()
+    [(cls, reason, msg)] = run_in_child(child_read_expect_errors, [remote_blob], timeout_s=TIMEOUT_S)
+    assert cls == Unavailable.__name__ and endpoint in msg
