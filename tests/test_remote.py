@@ -160,6 +160,26 @@ def child_read_expect_errors(remote_blobs: list[bytes]) -> list[tuple[str, str, 
     return out
 
 
+def child_views_pin_receive_memory(remote_blobs: list[bytes]) -> dict:
+    """One pool slot: a released buffer whose view the caller still holds is not reused."""
+    _child_env()
+    from shmtransport.remote import RemoteReader
+
+    with RemoteReader(pool_slots=1, slot_nbytes=MiB) as reader:
+        first = reader.read(remote_blobs[0])
+        kept = first.array[2:]  # a derived view outlives the release
+        first.release()
+        second = reader.read(remote_blobs[1])
+        out = {"second_pooled": second.pooled, "kept": np.array(kept), "second": np.array(second.array)}
+        second.release()
+        del kept
+        third = reader.read(remote_blobs[1])
+        out["third_pooled"] = third.pooled
+        third.release()
+        out["registrations"] = reader.stats["registrations"]
+    return out
+
+
 def child_acquire_and_block(conn, endpoint: str, tensor_blob: bytes):
     """Attach and lease, never release (a reader that dies mid-read)."""
     _child_env()
@@ -309,3 +329,16 @@ def test_remote_read_after_the_owning_daemon_stopped_is_unavailable():
     remote_blob = fpb.TensorData.FromString(td_blob).remote.SerializeToString()
     [(cls, reason, msg)] = run_in_child(child_read_expect_errors, [remote_blob], timeout_s=TIMEOUT_S)
     assert cls == Unavailable.__name__ and endpoint in msg
+
+
+@needs_nixl
+def test_receive_memory_is_not_reused_while_a_view_of_a_released_buffer_lives(nodes):
+    from shmtransport.v1 import features_pb2 as fpb
+
+    arrays = [np.arange(256, dtype=np.int64), np.full(256, -1, dtype=np.int64)]
+    blobs = [fpb.TensorData.FromString(td).remote.SerializeToString() for _, td, _ in nodes.ask("put", arrays)]
+    got = run_in_child(child_views_pin_receive_memory, blobs, timeout_s=TIMEOUT_S)
+    assert got["second_pooled"] is False and got["third_pooled"] is True
+    assert np.array_equal(got["kept"], arrays[0][2:]) and np.array_equal(got["second"], arrays[1])
+    assert got["registrations"] == 1  # the pool once (not counted) + one buffer for the second read
+    assert nodes.ask("settle", 5) is True

@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 import warnings
+import weakref
 from typing import Sequence
 
 import grpc
@@ -48,14 +49,15 @@ def _page_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
 class RemoteBuffer:
     """A tensor read from a remote daemon into this process's memory; ``release`` returns the slot."""
 
-    def __init__(self, reader: "RemoteReader", tensor, memory: np.ndarray, slot: int | None, reg=None, mm=None):
+    def __init__(self, reader: "RemoteReader", tensor, memory: np.ndarray, slot: int | None,
+                 large: "_LargeBuffer | None" = None):
         self._reader = reader
         self.handle = tensor  # shmtransport.v1.TensorHandle of the source
         self._memory = memory
         self._slot = slot
-        self._reg = reg
-        self._mm = mm
+        self._large = large
         self._array: np.ndarray | None = None
+        self._root_ref: weakref.ref | None = None
         self.released = False
 
     @property
@@ -76,8 +78,19 @@ class RemoteBuffer:
             raise ShmTransportError(f"{self!r} is released")
         if self._array is None:
             n = _desc.tensor_nbytes(self.handle)
-            self._array = self._memory[:n].view(dtype_from_name(self.handle.dtype)).reshape(tuple(self.handle.shape))
+            dtype, shape = dtype_from_name(self.handle.dtype), tuple(self.handle.shape)
+            if n == 0:
+                self._array = np.empty(shape, dtype)
+            else:
+                # numpy points every view derived from ``root`` at ``root``: its weakref tells whether
+                # the caller still holds a view, so the receive memory is not reused under it.
+                root = np.frombuffer(memoryview(self._memory)[:n], dtype=np.uint8)
+                self._root_ref = weakref.ref(root)
+                self._array = root.view(dtype).reshape(shape)
         return self._array
+
+    def _views_alive(self) -> bool:
+        return self._root_ref is not None and self._root_ref() is not None
 
     def tensor(self):
         return to_torch(self.array, self.handle.dtype)
@@ -89,6 +102,8 @@ class RemoteBuffer:
             raise IdentityMismatch(f"content digest mismatch after the remote read of {self!r}")
 
     def release(self) -> None:
+        """Give the receive memory back; while the caller still holds a view of it (``array``,
+        ``tensor()`` or anything derived), it is not reused: it returns once they are gone."""
         if self.released:
             return
         self.released = True
@@ -110,6 +125,33 @@ class RemoteBuffer:
         state = "released" if self.released else "live"
         return (f"RemoteBuffer({self.handle.dtype}{list(self.handle.shape)}, nbytes={self.nbytes}, {where}, "
                 f"{state})")
+
+
+class _LargeBuffer:
+    """Receive memory above the pool's slot size: registered for itself, kept for reuse while the
+    reader's ``large_cache_nbytes`` allows (so a steady stream of big tensors registers once)."""
+
+    def __init__(self, agent, nbytes: int):
+        self.capacity = -(-nbytes // (1 << 20)) * (1 << 20)  # whole MiB: near sizes share buffers
+        self.mm, self.memory = _page_buffer(self.capacity)
+        try:
+            self.reg = agent.register_memory([(int(self.memory.ctypes.data), self.capacity, 0, "")], "DRAM")
+        except Exception as exc:
+            self.mm.close()
+            raise Unavailable(f"NIXL register_memory of a {nbytes}-byte receive buffer failed: {exc}") from exc
+
+    def free(self, agent) -> None:
+        if self.reg is not None and agent is not None:
+            try:
+                agent.deregister_memory(self.reg)
+            except Exception:
+                _log.exception("NIXL deregister_memory failed")
+        self.reg = None
+        self.memory = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds an array of it; the GC unmaps it later
 
 
 class _Peer:
@@ -151,6 +193,9 @@ class _Peer:
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
 
+    def release_future(self, request, timeout_s: float):
+        return self.stub.RemoteRelease.future(request, timeout=timeout_s, metadata=self._metadata)
+
     def close(self) -> None:
         if self._call is not None:
             self._call.cancel()  # the daemon closes our session: every lease we held is reclaimed
@@ -164,6 +209,16 @@ class _Peer:
         self._channel.close()
 
 
+def _log_release_failure(future) -> None:
+    exc = future.exception()
+    if exc is None:
+        return
+    err = error_from_rpc(exc) if isinstance(exc, grpc.RpcError) else exc
+    if isinstance(err, Unavailable):
+        return  # the daemon is gone, and with it our session and its leases
+    _log.warning("remote lease release failed: %s", err)
+
+
 class RemoteReader:
     """Reads remote tensors with NIXL; one per process (it owns a NIXL agent and a receive pool).
 
@@ -173,7 +228,7 @@ class RemoteReader:
     """
 
     def __init__(self, name: str | None = None, pool_slots: int = 16, slot_nbytes: int = 8 << 20,
-                 timeout_s: float = 30.0, verify: bool = True):
+                 timeout_s: float = 30.0, verify: bool = True, large_cache_nbytes: int = 512 << 20):
         self.name = name or f"shmt-reader-{os.getpid()}-{secrets.token_hex(4)}"
         self.timeout_s = timeout_s
         self.verify = verify
@@ -187,15 +242,28 @@ class RemoteReader:
         if pool_slots:
             self._pool_reg = self.agent.register_memory([(int(self._pool.ctypes.data), self._pool.nbytes, 0, "")], "DRAM")
         self._free_slots = list(range(pool_slots))[::-1]
-        self._live: set[int] = set()
-        self.stats = {"reads": 0, "pooled": 0, "dynamic": 0, "bytes": 0}
+        self.large_cache_nbytes = large_cache_nbytes
+        self._large_cache: list[_LargeBuffer] = []  # released, still registered, oldest first
+        self._deferred: list[RemoteBuffer] = []  # released while the caller still held views
+        self._pending: list = []  # lease releases in flight
+        self.stats = {"reads": 0, "pooled": 0, "dynamic": 0, "registrations": 0, "bytes": 0}
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     # -- destinations ----------------------------------------------------------------------------
+    def _sweep_deferred(self, force: bool = False) -> None:
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        for buf in deferred:
+            if force and buf._views_alive():
+                warnings.warn(f"closing the reader while a view of {buf!r} is still alive", ResourceWarning, 2)
+            self._give_back(buf, force=force)
+
     def _destination(self, tensor) -> RemoteBuffer:
+        if self._deferred:
+            self._sweep_deferred()
         nbytes = int(tensor.shm.nbytes)
         if nbytes <= self.slot_nbytes:
             with self._lock:
@@ -204,26 +272,41 @@ class RemoteReader:
                 start = slot * self.slot_nbytes
                 self.stats["pooled"] += 1
                 return RemoteBuffer(self, tensor, self._pool[start : start + nbytes], slot)
-        mm, memory = _page_buffer(nbytes)
-        try:
-            reg = self.agent.register_memory([(int(memory.ctypes.data), memory.nbytes, 0, "")], "DRAM")
-        except Exception as exc:
-            raise Unavailable(f"NIXL register_memory of a {nbytes}-byte receive buffer failed: {exc}") from exc
+        large = None
+        with self._lock:
+            fits = [b for b in self._large_cache if nbytes <= b.capacity <= 2 * max(nbytes, self.slot_nbytes)]
+            if fits:
+                large = min(fits, key=lambda b: b.capacity)
+                self._large_cache.remove(large)
+        if large is None:
+            large = _LargeBuffer(self.agent, nbytes)
+            self.stats["registrations"] += 1
         self.stats["dynamic"] += 1
-        return RemoteBuffer(self, tensor, memory[:nbytes], None, reg, mm)
+        return RemoteBuffer(self, tensor, large.memory[:nbytes], None, large)
 
-    def _give_back(self, buf: RemoteBuffer) -> None:
+    def _give_back(self, buf: RemoteBuffer, force: bool = False) -> None:
+        if buf._views_alive() and not force:
+            with self._lock:
+                self._deferred.append(buf)
+            return
+        buf._memory = None
         if buf._slot is not None:
             with self._lock:
                 self._free_slots.append(buf._slot)
-        elif buf._reg is not None:
-            if self.agent is not None:
-                try:
-                    self.agent.deregister_memory(buf._reg)
-                except Exception:
-                    _log.exception("NIXL deregister_memory failed")
-            buf._reg = None
-        buf._memory = None
+            return
+        large, buf._large = buf._large, None
+        if large is None:
+            return
+        evicted = []
+        with self._lock:
+            if not self._closed and large.capacity <= self.large_cache_nbytes:
+                self._large_cache.append(large)
+                while sum(b.capacity for b in self._large_cache) > self.large_cache_nbytes:
+                    evicted.append(self._large_cache.pop(0))
+            else:
+                evicted.append(large)
+        for b in evicted:
+            b.free(self.agent)
 
     # -- peers -----------------------------------------------------------------------------------
     def _peer(self, endpoint: str) -> _Peer:
@@ -295,10 +378,25 @@ class RemoteReader:
         return bufs
 
     def _release_leases(self, peer: _Peer, lease_ids) -> None:
-        try:
-            peer.rpc("RemoteRelease", rpb.RemoteReleaseRequest(lease_ids=lease_ids), self.timeout_s)
-        except Unavailable:
-            pass  # the daemon is gone, and with it our session and its leases
+        """Sent without waiting for the reply (the READ is complete, nothing depends on it); a
+        failure is logged. ``flush()`` (and ``close()``) wait for every release in flight."""
+        if not lease_ids:
+            return
+        future = peer.release_future(rpb.RemoteReleaseRequest(lease_ids=lease_ids), self.timeout_s)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(future)
+        future.add_done_callback(_log_release_failure)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every lease release sent so far has been answered (or failed)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            try:
+                future.result(timeout=timeout_s if timeout_s is not None else self.timeout_s)
+            except Exception:
+                pass  # logged by _log_release_failure; the daemon reclaims on session end anyway
 
     def _pull(self, peer: _Peer, bufs: list[RemoteBuffer], regions) -> None:
         if len(regions) != len(bufs):
@@ -335,6 +433,8 @@ class RemoteReader:
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         """Detach from every daemon (their sessions close), deregister the pool. Idempotent."""
+        if not self._closed:
+            self.flush()
         with self._lock:
             if self._closed:
                 return
@@ -342,6 +442,11 @@ class RemoteReader:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             peer.close()
+        self._sweep_deferred(force=True)
+        with self._lock:
+            cached, self._large_cache = self._large_cache, []
+        for b in cached:
+            b.free(self.agent)
         if self._pool_reg is not None:
             try:
                 self.agent.deregister_memory(self._pool_reg)
