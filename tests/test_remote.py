@@ -28,7 +28,16 @@ def _nixl_importable() -> bool:
 
     if os.environ.get("SHMTRANSPORT_DISABLE_NIXL") == "1":
         return False
-    code = "import importlib,sys\nfor m in ('nixl_cu12','nixl'):\n  try:\n    mod=importlib.import_module(m)\n  except ImportError:\n    continue\n  sys.exit(0 if hasattr(mod,'nixl_agent') else 1)\nsys.exit(1)"
+    code = (
+        "import importlib, sys\n"
+        "for name in ('nixl_cu12', 'nixl'):\n"
+        "    try:\n"
+        "        module = importlib.import_module(name)\n"
+        "    except ImportError:\n"
+        "        continue\n"
+        "    sys.exit(0 if hasattr(module, 'nixl_agent') else 1)\n"
+        "sys.exit(1)\n"
+    )
     try:
         return subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
