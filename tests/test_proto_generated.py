@@ -1,5 +1,7 @@
 """The committed generated code must match what protoc makes from proto/ today (`make proto`)."""
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -8,7 +10,11 @@ from shmtransport import protogen
 
 def test_committed_generated_code_matches_proto_sources(tmp_path: pathlib.Path):
     pytest.importorskip("grpc_tools")
-    fresh = protogen.generate(tmp_path)
+    # protoc runs in a child: nixl-cu12 bundles its own protobuf libraries and crashes a process
+    # that has both loaded, and other tests may have imported it here.
+    code = f"from shmtransport import protogen; import pathlib; protogen.generate(pathlib.Path({str(tmp_path)!r}))"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    fresh = sorted((tmp_path / "shmtransport" / "v1").glob("*_pb2*.py*"))
     assert fresh, "protoc generated nothing"
     committed_dir = protogen.SRC_ROOT / "shmtransport" / "v1"
     for path in fresh:

@@ -68,7 +68,7 @@ def host_two_nodes(conn):
     try:
         for ns in ("test-node-a", "test-node-b"):
             daemons.append(testing.start_daemon(arena_nbytes=ARENA_NBYTES,
-                                                extensions=[remote_extension(advertise_namespace=ns)]))
+                                                shm_namespace=ns, extensions=[remote_extension()]))
         a, b = daemons
         with Producer(a.socket_path) as producer, Consumer(b.socket_path) as local_consumer:
             exporter = RemoteExporter(producer)

@@ -104,7 +104,7 @@ def run(quick: bool) -> Report:
         return report
     plan = QUICK_PLAN if quick else FULL_PLAN
     arena = sum(plan) + 64 * MiB
-    daemon = testing.start_daemon(arena_nbytes=arena, extensions=[remote_extension(advertise_namespace="bench-node-a")])
+    daemon = testing.start_daemon(arena_nbytes=arena, shm_namespace="bench-node-a", extensions=[remote_extension()])
     server = None
     started = time.perf_counter()
     try:

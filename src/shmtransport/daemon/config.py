@@ -47,6 +47,9 @@ class DaemonConfig:
     default_lease_ttl_ms: int = 300_000
     max_lease_ttl_ms: int = 3_600_000
     default_hold_ms: int = 0
+    # The shm namespace id the daemon advertises; None: "<boot_id>:<st_dev of /dev/shm>". Set it
+    # when that is not distinctive (or to simulate two nodes on one machine in tests).
+    shm_namespace: str | None = None
     commit_wait_s: float = 2.0  # how long Acquire waits for a commit still in flight
     max_alloc_wait_ms: int = 10_000  # cap on a Loan's back-pressure wait for free space
     page_align_min_nbytes: int = 64 * 1024

@@ -186,7 +186,7 @@ class Daemon:
             instance_id=self.instance_id,
             segment_name=self._segment.name,
             nbytes=arena_nbytes,
-            shm_namespace=shm_namespace_id(),
+            shm_namespace=cfg.shm_namespace or shm_namespace_id(),
         )
         limits = Limits(
             quota_nbytes=cfg.quota_nbytes or arena_nbytes,

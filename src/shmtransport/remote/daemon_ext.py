@@ -41,13 +41,11 @@ _STREAM_POLL_S = 0.2
 class RemoteExtension:
     """State of the remote tier inside one daemon; built by ``remote_extension``."""
 
-    def __init__(self, daemon, listen_host: str, listen_port: int, advertise_host: str | None,
-                 advertise_namespace: str | None):
+    def __init__(self, daemon, listen_host: str, listen_port: int, advertise_host: str | None):
         self.daemon = daemon
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.advertise_host = advertise_host or listen_host
-        self.advertise_namespace = advertise_namespace
         self.endpoint = ""
         self.agent = None
         self.agent_name = f"shmtd-{daemon.instance_id}"
@@ -63,12 +61,6 @@ class RemoteExtension:
     # -- lifecycle -------------------------------------------------------------------------------
     def install(self, server: grpc.Server) -> Callable[[], None]:
         daemon = self.daemon
-        if self.advertise_namespace:
-            # Simulated (or operator-declared) namespace: what local clients see in their hello.
-            daemon.arena_info.shm_namespace = self.advertise_namespace
-            hello = getattr(daemon.sessions, "_hello", None)
-            if isinstance(hello, dict):
-                hello["shm_namespace"] = self.advertise_namespace
         info = daemon.arena_info
         self.nbytes = int(info.nbytes)
         fd = os.open(os.path.join(SHM_DIR, info.segment_name), os.O_RDONLY | os.O_CLOEXEC)
@@ -241,20 +233,18 @@ def remote_extension(
     listen_host: str = "127.0.0.1",
     listen_port: int = 0,
     advertise_host: str | None = None,
-    advertise_namespace: str | None = None,
     on_install: Callable[[RemoteExtension], None] | None = None,
 ):
     """A ``Daemon`` extension serving the remote tier.
 
     ``listen_host``/``listen_port``: the TCP address remote peers dial (default loopback, any free
     port); ``advertise_host``: the host written into descriptors (default ``listen_host``);
-    ``advertise_namespace``: override the shm namespace id the daemon advertises (tests simulate two
-    nodes on one machine with it). ``on_install`` receives the ``RemoteExtension`` (endpoint, agent).
+    ``on_install`` receives the ``RemoteExtension`` (endpoint, agent).
     The extension object is also set as ``daemon.remote``.
     """
 
     def install(daemon, server: grpc.Server):
-        ext = RemoteExtension(daemon, listen_host, listen_port, advertise_host, advertise_namespace)
+        ext = RemoteExtension(daemon, listen_host, listen_port, advertise_host)
         stop = ext.install(server)
         daemon.remote = ext
         if on_install is not None:
