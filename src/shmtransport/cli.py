@@ -1,4 +1,5 @@
-"""``shmtransport`` console script: ``daemon`` runs shmtransportd, ``stat`` prints its state."""
+"""``shmtransport`` console script: ``daemon`` runs shmtransportd, ``stat`` prints its state,
+``worker`` runs the Generator worker server (small torch model over shared-memory tensors)."""
 from __future__ import annotations
 
 import argparse
@@ -75,6 +76,35 @@ def _run_stat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_worker(args: argparse.Namespace) -> int:
+    from .protocol.limits import DEFAULT_LIMITS
+    from .worker.server import WorkerServer
+
+    limits = DEFAULT_LIMITS
+    if args.max_inline_bytes is not None:
+        import dataclasses
+
+        limits = dataclasses.replace(limits, max_inline_bytes=args.max_inline_bytes)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    address = args.address or f"unix:{args.socket}"
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    server = WorkerServer(address, args.daemon_socket, device=args.device, verify=args.verify, limits=limits,
+                          allow_segment_pread=args.allow_segment_pread, host_register=not args.no_host_register,
+                          max_workers=args.max_workers, debug_hooks=args.debug_hooks)
+    server.start()
+    print(f"shmtransport worker ready: {address} device {server.service.device} pid {os.getpid()}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        server.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmtransport", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout-s", type=float, default=5.0)
     s.add_argument("--log-level", default="WARNING")
     s.set_defaults(func=_run_stat)
+
+    w = sub.add_parser("worker", help="run the Generator worker server (small torch model, shm tensors)")
+    w.add_argument("--socket", default="/tmp/shmtransport-worker.sock", help="Unix socket to serve gRPC on")
+    w.add_argument("--address", default=None, help="gRPC address instead of --socket (e.g. 127.0.0.1:50051)")
+    w.add_argument("--daemon-socket", default=default_socket_path(), help="shmtransportd socket")
+    w.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    w.add_argument("--verify", default="always", choices=("always", "never"), help="identity verification")
+    w.add_argument("--max-inline-bytes", type=_size, default=None, help="inline tensor bytes per request")
+    w.add_argument("--max-workers", type=int, default=4, help="gRPC handler threads")
+    w.add_argument("--torch-threads", type=int, default=None)
+    w.add_argument("--no-host-register", action="store_true", help="do not cudaHostRegister the arena")
+    w.add_argument("--allow-segment-pread", action="store_true", help=argparse.SUPPRESS)  # benchmark peer
+    w.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)  # tests: x-shmt-debug-hold-ms
+    w.add_argument("--log-level", default="WARNING")
+    w.set_defaults(func=_run_worker)
     return parser
 
 

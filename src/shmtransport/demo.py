@@ -1,18 +1,26 @@
-"""``make demo``: a daemon, a renderer-like producer and a worker-like consumer, three processes.
+"""``make demo``: the whole pipeline on one node — renderer -> shmtransportd -> worker server.
 
-The producer hands realistic multimodal tensors (Qwen2-VL-sized pixel patches, a video frame stack,
-Whisper-sized audio features) to the worker through shmtransport — ``put`` with the content digest
-fused into the copy, and ``loan → commit`` where the renderer writes in place — and, for
-comparison, as inline bytes over a pipe. The worker verifies every tensor's digest from shared
-memory. The demo ends by stopping the daemon and checking that nothing is left in /dev/shm.
+Three processes: the daemon (``shmtransport daemon``), the worker (``shmtransport worker``: a gRPC
+``Generator`` running a small real torch model: vision/audio encoders whose outputs are scattered
+into the token embeddings at the is_embed positions, then a GRU decoder that samples with the
+request's controls), and this process as the frontend: it renders sample media with the real
+processors (Qwen2-VL image processor, Whisper feature extractor; synthetic tensors of the same
+shapes when the ``renderer`` extra is not installed), writes the tensors into shared memory, and
+streams ``GenerateStream`` requests to the worker.
+
+The workload: images of several sizes, a multi-image request, a video, an audio clip, a mixed
+image+video request, a LoRA-scoped request, a request cancelled mid-stream and a malformed request
+(rejected with a clear message). Every kind runs through shared memory and, for comparison, with
+the tensors inline in the gRPC message (same seed: the tokens must be identical). The demo stops
+its processes and checks that nothing is left in /dev/shm.
 """
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import dataclasses
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,139 +28,236 @@ import time
 import numpy as np
 
 PREFIX = "shmtdemo"
-
-# kind -> list of (key, shape, dtype): what a renderer hands to the worker for one request.
-WORKLOAD = {
-    "image 448x448": [("pixel_values", (1024, 1176), np.float32), ("image_grid_thw", (1, 3), np.int64)],
-    "image 896x1344": [("pixel_values", (4988, 1176), np.float32), ("image_grid_thw", (1, 3), np.int64)],
-    "3 images": [("pixel_values", (3 * 1024, 1176), np.float32), ("image_grid_thw", (3, 3), np.int64)],
-    "video 8 frames": [("pixel_values_videos", (8 * 1024, 1176), np.float32), ("video_grid_thw", (1, 3), np.int64)],
-    "audio 30 s": [("input_features", (128, 3000), np.float32)],
-}
+MAX_TOKENS = 8
+SAMPLING = {"seed": 7, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.05}
 
 
-def _render(kind: str, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _, shape, dtype in WORKLOAD[kind]]
+@dataclasses.dataclass
+class Kind:
+    name: str
+    parts: list[tuple[str, str]]  # (modality, media key)
+    adapter: str | None = None
 
 
-def _worker(socket_path: str, conn) -> None:
-    """Consumer process: acquire, verify the digest from shared memory, reduce, release."""
-    from shmtransport.client import Consumer, Handle
+KINDS = [
+    Kind("image 224x224", [("image", "img224")]),
+    Kind("image 448x448", [("image", "img448")]),
+    Kind("image 896x1344", [("image", "img896")]),
+    Kind("3 images", [("image", "img224"), ("image", "img448"), ("image", "img448b")]),
+    Kind("video 8x448x448", [("video", "vid")]),
+    Kind("audio 5 s", [("audio", "aud")]),
+    Kind("image+video", [("image", "img448"), ("video", "vid")]),
+    Kind("image LoRA", [("image", "img448")], adapter="sql-lora"),
+]
 
-    with Consumer(socket_path) as consumer:
-        while True:
-            message = conn.recv()
-            if message is None:
-                return
-            mode, payload = message
-            if mode == "shm":
-                leases = consumer.acquire_many([Handle.from_bytes(b) for b in payload])
-                for lease in leases:
-                    lease.verify()
-                checksum = sum(float(lease.array.reshape(-1)[:16].astype(np.float64).sum()) for lease in leases)
-                conn.send(("ok", checksum))
-                consumer.release_many(leases, wait=True)  # after the ack: off the timed path
+
+class Media:
+    """Renders every sample once (the processors are the renderer's cost, not the transport's)."""
+
+    def __init__(self, real: bool):
+        from .render import media
+
+        self.real = real
+        self.features: dict[str, dict[str, np.ndarray]] = {}
+        self.video: tuple[list[np.ndarray], tuple[int, int, int]] | None = None
+        if real:
+            r = media.Renderer()
+            self._renderer = r
+            self.features["img224"] = r.image(media.synthetic_image(224, 224, seed=1))
+            self.features["img448"] = r.image(media.synthetic_image(448, 448, seed=2))
+            self.features["img448b"] = r.image(media.synthetic_image(448, 448, seed=3))
+            self.features["img896"] = r.image(media.synthetic_image(1344, 896, seed=4))
+            self.video = r.video_frames(media.synthetic_video(8, 448, 448, seed=5))
+            self.features["aud"] = r.audio(media.synthetic_audio(5.0, seed=6))
+        else:
+            sf = media.synthetic_features
+            self.features["img224"] = sf("image", grid=(1, 16, 16), seed=1)
+            self.features["img448"] = sf("image", grid=(1, 32, 32), seed=2)
+            self.features["img448b"] = sf("image", grid=(1, 32, 32), seed=3)
+            self.features["img896"] = sf("image", grid=(1, 58, 86), seed=4)
+            self.features["vid"] = sf("video", grid=(4, 32, 32), seed=5)
+            self.features["aud"] = sf("audio", seed=6)
+
+    def items(self, kind: Kind, mode: str, producer) -> list:
+        from .render.frontend import Item
+        from .render.media import Renderer, video_shape
+
+        out = []
+        for modality, key in kind.parts:
+            if modality == "video" and self.video is not None:
+                frames, grid = self.video
+                grid_arr = np.array([grid], dtype=np.int64)
+                if mode == "shm":  # the renderer's last step writes straight into a shared-memory loan
+                    loan = producer.loan(shape=video_shape(grid), dtype=np.float32)
+                    try:
+                        Renderer.assemble_video(frames, grid, loan.array)
+                        handle = loan.commit(hash=True)
+                    except BaseException:
+                        loan.release()
+                        raise
+                    out.append(Item("video", {"pixel_values_videos": handle, "video_grid_thw": grid_arr},
+                                    owned=[handle]))
+                else:
+                    pv = Renderer.assemble_video(frames, grid, np.empty(video_shape(grid), np.float32))
+                    out.append(Item("video", {"pixel_values_videos": pv, "video_grid_thw": grid_arr}))
             else:
-                arrays = [np.frombuffer(raw, dtype=np.dtype(dt)).reshape(shape) for raw, dt, shape in payload]
-                checksum = sum(float(a.reshape(-1)[:16].astype(np.float64).sum()) for a in arrays)
-                conn.send(("ok", checksum))
+                out.append(Item(modality, dict(self.features[key])))
+        return out
 
 
-def _start_daemon(socket_path: str, arena_nbytes: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "shmtransport", "daemon", "--socket", socket_path,
-           "--arena-size", str(arena_nbytes), "--name-prefix", PREFIX, "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"daemon did not start: {line!r}")
-    return proc
+def _drop_one_embed(batch) -> None:
+    """Make the first item's is_embed mark one position fewer than its image gives (malformed)."""
+    from .embedmask import EmbedMask
+
+    ph = batch.items[0].placeholder
+    bools = EmbedMask(ph.is_embed, ph.is_embed_nbits).to_bools().astype(bool)
+    bools[np.flatnonzero(bools)[-1]] = False
+    packed = EmbedMask.from_bools(bools).packed
+    batch.items[0].placeholder.is_embed = packed
+    batch.mm_placeholders[0].is_embed = packed
 
 
-def _progress(done: int, total: int) -> None:
+def _progress(done: int, total: int, label: str) -> None:
     width = 30
-    filled = width * done // total
-    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", flush=True)
+    filled = width * done // max(total, 1)
+    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<24}", end="", flush=True)
+
+
+def _p(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer requests per kind (CI)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed requests per kind and path")
+    parser.add_argument("--synthetic", action="store_true", help="synthetic tensors even if transformers is here")
+    parser.add_argument("--device", default="auto", help="worker device (auto: cuda when available)")
     args = parser.parse_args(argv)
-    rounds = 3 if args.quick else 15
+    rounds = args.rounds or (2 if args.quick else 8)
 
-    from shmtransport import BACKEND
-    from shmtransport.client import Producer
+    from . import BACKEND
+    from .client import Producer
+    from .errors import InvalidArgument, ShmTransportError
+    from .protocol.limits import DEFAULT_LIMITS
+    from .render.frontend import Frontend
+    from .worker.process import WorkerProcess, start_daemon_process, stop_process
 
+    real = not args.synthetic
+    if real:
+        try:
+            import PIL  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError:
+            real = False
+    started = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="shmt-demo-", dir="/tmp")
     socket_path = os.path.join(tmp, "d.sock")
-    daemon = _start_daemon(socket_path, 512 << 20)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    worker = ctx.Process(target=_worker, args=(socket_path, child), daemon=True)
-    worker.start()
-    results: dict[tuple[str, str], list[float]] = {}
-    nbytes: dict[str, int] = {}
-    print(f"shmtransport demo (kernels: {BACKEND}): daemon pid {daemon.pid}, worker pid {worker.pid}")
+    inline_cap = 256 << 20
+    limits = dataclasses.replace(DEFAULT_LIMITS, max_inline_bytes=inline_cap)
+    daemon = worker = None
+    ok = True
     try:
-        with Producer(socket_path) as producer:
-            total = len(WORKLOAD) * (rounds + 1) * 3
-            done = 0
-            for kind in WORKLOAD:
-                tensors = _render(kind, seed=len(kind))
-                nbytes[kind] = sum(t.nbytes for t in tensors)
-                for round_index in range(rounds + 1):  # round 0 warms up and is not recorded
-                    for mode in ("put", "loan", "inline"):
-                        start = time.perf_counter()
-                        if mode == "inline":
-                            parent.send(("inline", [(t.tobytes(), t.dtype.str, t.shape) for t in tensors]))
-                        else:
-                            if mode == "put":
-                                handles = producer.put_many(tensors, hash=True)
-                            else:  # the renderer writes its output straight into the loan
-                                loans = producer.loan_many([(None, t.shape, t.dtype) for t in tensors])
-                                for loan, t in zip(loans, tensors):
-                                    np.copyto(loan.array, t)
-                                handles = producer.commit_many(loans, hash=True)
-                            parent.send(("shm", [h.to_bytes() for h in handles]))
-                        if not parent.poll(30):
-                            raise TimeoutError("worker did not answer within 30 s")
-                        status, _ = parent.recv()
-                        if round_index:
-                            results.setdefault((kind, mode), []).append(time.perf_counter() - start)
-                        if mode != "inline":
-                            producer.release(handles)
+        daemon = start_daemon_process(socket_path, 512 << 20, PREFIX)
+        worker = WorkerProcess(os.path.join(tmp, "w.sock"), socket_path, device=args.device,
+                               max_inline_bytes=inline_cap)
+        t0 = time.perf_counter()
+        media = Media(real)
+        render_s = time.perf_counter() - t0
+        print(f"shmtransport demo (kernels: {BACKEND}): daemon pid {daemon.pid}, worker pid {worker.pid} "
+              f"({worker.ready_line.split('device')[-1].split('pid')[0].strip()}); renderer: "
+              f"{'Qwen2-VL image processor + Whisper feature extractor' if real else 'synthetic tensors (no transformers)'}"
+              f" ({render_s:.1f} s)")
+        results: dict[tuple[str, str], list] = {}
+        total = len(KINDS) * (rounds + 1) * 2 + 2
+        done = 0
+        with Producer(socket_path) as producer, Frontend(worker.address, producer, limits=limits) as fe:
+            info = fe.server_info()
+            for kind in KINDS:
+                for r in range(rounds + 1):  # round 0 warms up and is not recorded
+                    for mode in ("shm", "inline"):
+                        t_start = time.perf_counter()
+                        items = media.items(kind, mode, producer)
+                        outcome = fe.generate(items, "what is in this input", mode=mode, adapter=kind.adapter,
+                                              sampling=SAMPLING, stopping={"max_tokens": MAX_TOKENS},
+                                              t_start=t_start)
+                        if r:
+                            results.setdefault((kind.name, mode), []).append(outcome)
                         done += 1
-                        _progress(done, total)
-            stat = producer.stat()
-        print()
-        _print_table(results, nbytes)
+                        _progress(done, total, kind.name)
+            # a request cancelled mid-stream: the worker stops and its leases are released
+            items = media.items(KINDS[1], "shm", producer)
+            cancelled = fe.generate(items, "tell me a long story", sampling=SAMPLING,
+                                    stopping={"max_tokens": 200, "ignore_eos": True}, cancel_after=3)
+            done += 1
+            _progress(done, total, "cancel mid-stream")
+            # a malformed request: the placeholder claims fewer embedding positions than the image has
+            prepared = fe.build(media.items(KINDS[1], "shm", producer), "bad", sampling=SAMPLING)
+            _drop_one_embed(prepared.request.multimodal.batches[0])
+            try:
+                fe.send(prepared)
+                malformed = "ACCEPTED (bug)"
+                ok = False
+            except InvalidArgument as exc:
+                malformed = f"rejected: {type(exc).__name__}: {exc.message}"
+            except ShmTransportError as exc:
+                malformed = f"rejected with an unexpected type: {type(exc).__name__}: {exc}"
+                ok = False
+            done += 1
+            _progress(done, total, "malformed")
+            print()
+            deadline = time.monotonic() + 5
+            while True:
+                stat = producer.stat()
+                if (stat.live_leases == 0 and stat.live_objects == 0) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+        ok &= _print_table(results)
+        print(f"\ncancelled after {len(cancelled.token_ids)} of 200 tokens: "
+              f"{'yes' if cancelled.cancelled else 'NO'}; malformed request {malformed}")
+        print(f"worker: shm namespace {info.shm_namespace_id}, identity schemes {', '.join(info.identity_schemes)}")
         print(f"daemon after the run: {stat.live_objects} live objects, {stat.live_leases} live leases, "
               f"{stat.allocations_total} allocations")
+        ok &= stat.live_leases == 0 and stat.live_objects == 0 and cancelled.cancelled
+    except Exception as exc:  # noqa: BLE001 - the demo reports and still cleans up
+        print(f"\ndemo failed: {type(exc).__name__}: {exc}")
+        ok = False
     finally:
-        parent.send(None)
-        worker.join(10)
-        daemon.terminate()
-        daemon.wait(10)
+        worker_rc = worker.stop() if worker is not None else None
+        daemon_rc = stop_process(daemon)
+        shutil.rmtree(tmp, ignore_errors=True)
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)]
-    print(f"daemon exit code {daemon.returncode}; /dev/shm leftovers: {leftovers or 'none'}")
-    return 0 if daemon.returncode == 0 and not leftovers else 1
+    print(f"worker exit {worker_rc}, daemon exit {daemon_rc}; /dev/shm leftovers: {leftovers or 'none'}; "
+          f"total {time.perf_counter() - started:.1f} s")
+    return 0 if ok and daemon_rc == 0 and worker_rc == 0 and not leftovers else 1
 
 
-def _print_table(results: dict[tuple[str, str], list[float]], nbytes: dict[str, int]) -> None:
-    print(f"\n{'request kind':<16} {'MiB':>7} {'put p50':>9} {'put p99':>9} {'loan p50':>9} "
-          f"{'inline p50':>11} {'speedup':>8}  verified")
-    for kind in WORKLOAD:
-        put = results[(kind, "put")]
-        loan = results[(kind, "loan")]
-        inline = results[(kind, "inline")]
-        p99 = sorted(put)[min(len(put) - 1, round(0.99 * (len(put) - 1)))]
-        speedup = statistics.median(inline) / statistics.median(put)
-        print(f"{kind:<16} {nbytes[kind] / 2**20:7.1f} {statistics.median(put) * 1e3:7.2f}ms {p99 * 1e3:7.2f}ms "
-              f"{statistics.median(loan) * 1e3:7.2f}ms {statistics.median(inline) * 1e3:9.2f}ms {speedup:7.1f}x  yes")
-    print("(put: one copy with the XXH3 digest fused in; loan: renderer writes in place, digest at commit;"
-          " inline: bytes over a pipe; every shm tensor's digest re-verified by the worker)")
+def _print_table(results: dict[tuple[str, str], list]) -> bool:
+    ms = 1e3
+    print(f"\n{'request kind':<16} {'MiB':>6} {'handoff p50':>11} {'e2e p50':>8} {'e2e p99':>8} "
+          f"{'inline handoff':>14} {'inline e2e':>10} {'speedup':>8} {'copies':>7} {'tokens':>7}  identity")
+    ok = True
+    for kind in KINDS:
+        shm, inline = results[(kind.name, "shm")], results[(kind.name, "inline")]
+        h = [o.handoff_s for o in shm]
+        hi = [o.handoff_s for o in inline]
+        e = [o.latency_s for o in shm]
+        ei = [o.latency_s for o in inline]
+        parity = all(a.token_ids == b.token_ids for a, b in zip(shm, inline))
+        same_id = all(a.identities == b.identities for a, b in zip(shm, inline))
+        ok &= parity and same_id
+        copies = f"{shm[0].host_copies}/{inline[0].host_copies}"
+        print(f"{kind.name:<16} {shm[0].shm_bytes / 2**20:6.1f} {statistics.median(h) * ms:9.2f}ms "
+              f"{statistics.median(e) * ms:6.1f}ms {_p(e, 99) * ms:6.1f}ms {statistics.median(hi) * ms:12.2f}ms "
+              f"{statistics.median(ei) * ms:8.1f}ms {statistics.median(hi) / statistics.median(h):7.1f}x "
+              f"{copies:>7} {'same' if parity else 'DIFF':>7}  {'verified' if same_id else 'MISMATCH'}")
+    print("(handoff: renderer output ready -> worker holds the verified tensors on its device; e2e: + encoders,\n"
+          " merge at is_embed and 8 sampled tokens streamed back; speedup: inline handoff / shm handoff; copies:\n"
+          " full host copies of tensor bytes per request, shm/inline (shm: one put with the digest fused, 0 for\n"
+          " the video patches written in place; inline: tobytes + serialize + parse); tokens: shm vs inline,\n"
+          " same seed; identity: the worker recomputed every item identity from the payload, equal on both paths)")
+    return ok
 
 
 if __name__ == "__main__":

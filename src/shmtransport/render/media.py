@@ -1,0 +1,142 @@
+"""Sample media and the real processors (optional extra ``renderer``: transformers + pillow).
+
+- ``synthetic_image`` / ``synthetic_video`` / ``synthetic_audio``: media generated at run time
+  (PIL drawing, a sine tone with harmonics and noise): no downloads.
+- ``Renderer``: Qwen2-VL's image processor (the PIL variant, constructed with defaults: no hub
+  access) for images; video through the same processor per frame, then paired into Qwen2-VL's
+  video patches (temporal_patch_size 2: each 1176-wide row is 3 channels x 2 frames x 14 x 14) —
+  the pairing writes straight into the caller's buffer, which is a shared-memory loan on the
+  shm path (loan -> commit, no extra copy); ``WhisperFeatureExtractor`` (defaults: 80 mel bins,
+  30 s window, 16 kHz) for audio.
+- ``synthetic_features``: tensors of the same shapes and dtypes without transformers (tests of
+  the worker and pipeline that must run without the extra).
+
+Where the bytes go: the image processor and the feature extractor return fresh numpy arrays that
+cannot be pointed at a caller's buffer (no ``out=`` in their final patchify / log-mel step), so
+those are copied ONCE into shared memory with the content digest fused into the copy
+(``Producer.put_many(hash=True)``); the video path's final step is ours and writes in place.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..worker.spec import MERGE, PATCH_DIM
+
+SAMPLE_RATE = 16_000
+TEMPORAL_PATCH = 2
+
+
+def synthetic_image(width: int, height: int, seed: int = 0):
+    """A PIL image with gradients, shapes and text-like strokes (deterministic per seed)."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    x = np.linspace(0, 1, width, dtype=np.float32)[None, :]
+    y = np.linspace(0, 1, height, dtype=np.float32)[:, None]
+    base = np.stack([x * np.ones_like(y), y * np.ones_like(x), (x + y) / 2], axis=-1)
+    img = Image.fromarray((base * 255).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    for _ in range(12):
+        x0, y0 = int(rng.integers(0, width - 10)), int(rng.integers(0, height - 10))
+        x1, y1 = x0 + int(rng.integers(5, width // 3)), y0 + int(rng.integers(5, height // 3))
+        color = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
+    for i in range(6):
+        draw.line([(0, i * height // 6), (width, (i + 1) * height // 7)], fill=(255, 255, 255), width=3)
+    return img
+
+
+def synthetic_video(frames: int, width: int, height: int, seed: int = 0) -> list:
+    """``frames`` PIL frames: a shape moving over a gradient."""
+    from PIL import ImageDraw
+
+    out = []
+    for f in range(frames):
+        img = synthetic_image(width, height, seed)
+        draw = ImageDraw.Draw(img)
+        cx = int((f + 1) / (frames + 1) * width)
+        draw.ellipse([cx - 30, height // 2 - 30, cx + 30, height // 2 + 30], fill=(250, 20, 20))
+        out.append(img)
+    return out
+
+
+def synthetic_audio(seconds: float, seed: int = 0) -> np.ndarray:
+    """A float32 waveform at 16 kHz: a 220 Hz tone with harmonics, an amplitude envelope, noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * SAMPLE_RATE), dtype=np.float32) / SAMPLE_RATE
+    wave = sum(np.sin(2 * math.pi * 220 * k * t) / k for k in (1, 2, 3))
+    wave = wave * (0.5 + 0.5 * np.sin(2 * math.pi * 0.5 * t)) + 0.01 * rng.standard_normal(t.shape)
+    return (0.3 * wave).astype(np.float32)
+
+
+def synthetic_features(modality: str, *, grid: tuple[int, int, int] = (1, 32, 32), frames: int = 3000,
+                       n_mels: int = 80, seed: int = 0) -> dict[str, np.ndarray]:
+    """Tensors with the processors' shapes and dtypes (no transformers needed)."""
+    rng = np.random.default_rng(seed)
+    t, h, w = grid
+    if modality in ("image", "video"):
+        key, gkey = ("pixel_values", "image_grid_thw") if modality == "image" else \
+            ("pixel_values_videos", "video_grid_thw")
+        return {key: rng.standard_normal((t * h * w, PATCH_DIM), dtype=np.float32),
+                gkey: np.array([[t, h, w]], dtype=np.int64)}
+    if modality == "audio":
+        return {"input_features": rng.standard_normal((n_mels, frames), dtype=np.float32)}
+    raise ValueError(f"unknown modality {modality!r}")
+
+
+class Renderer:
+    """The real processors, constructed offline with their defaults."""
+
+    def __init__(self):
+        try:
+            from transformers import Qwen2VLImageProcessorPil as ImageProcessor  # no torchvision needed
+        except ImportError:
+            from transformers import Qwen2VLImageProcessor as ImageProcessor
+        from transformers import WhisperFeatureExtractor
+
+        self.image_processor = ImageProcessor()
+        self.audio_extractor = WhisperFeatureExtractor()
+
+    def image(self, image) -> dict[str, np.ndarray]:
+        out = self.image_processor(images=[image], return_tensors="np")
+        return {"pixel_values": np.asarray(out["pixel_values"]), "image_grid_thw": np.asarray(out["image_grid_thw"])}
+
+    def video_frames(self, frames: list) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+        """Per-frame processor output (each row duplicates its frame over the temporal patch) and
+        the video grid (t, h, w); an odd frame count repeats the last frame (as Qwen2-VL pads)."""
+        if len(frames) % TEMPORAL_PATCH:
+            frames = list(frames) + [frames[-1]] * (TEMPORAL_PATCH - len(frames) % TEMPORAL_PATCH)
+        outs = [self.image(f) for f in frames]
+        _, h, w = (int(x) for x in outs[0]["image_grid_thw"].reshape(3))
+        return [o["pixel_values"] for o in outs], (len(frames) // TEMPORAL_PATCH, h, w)
+
+    @staticmethod
+    def assemble_video(frame_patches: list[np.ndarray], grid: tuple[int, int, int], out: np.ndarray) -> np.ndarray:
+        """Pair frames into Qwen2-VL video patches, writing straight into ``out`` ((t*h*w, 1176) float32:
+        a loaned shared-memory buffer on the shm path)."""
+        t, h, w = grid
+        n = h * w
+        dst = out.reshape(t, n, 3, TEMPORAL_PATCH, PATCH_DIM // (3 * TEMPORAL_PATCH))
+        for g in range(t):
+            for k in range(TEMPORAL_PATCH):
+                src = frame_patches[g * TEMPORAL_PATCH + k].reshape(n, 3, TEMPORAL_PATCH, -1)
+                np.copyto(dst[g, :, :, k], src[:, :, 0])
+        return out
+
+    def audio(self, wave: np.ndarray) -> dict[str, np.ndarray]:
+        out = self.audio_extractor(wave, sampling_rate=SAMPLE_RATE, return_tensors="np")
+        feats = np.asarray(out["input_features"])
+        return {"input_features": feats.reshape(feats.shape[-2], feats.shape[-1])}  # a view, no copy
+
+
+def video_shape(grid: tuple[int, int, int]) -> tuple[int, int]:
+    t, h, w = grid
+    assert h % MERGE == 0 and w % MERGE == 0
+    return (t * h * w, PATCH_DIM)
+
+
+def as_numpy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: np.asarray(v) for k, v in kwargs.items()}

@@ -1,0 +1,86 @@
+"""Run the daemon and the worker server as child processes (demo, tests, benchmarks)."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+
+def _wait_ready(proc: subprocess.Popen, what: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if "ready" in line:
+            return line.strip()
+    proc.kill()
+    proc.wait(5)
+    err = proc.stderr.read() if proc.stderr else ""
+    raise RuntimeError(f"{what} did not start within {timeout_s} s (exit {proc.returncode}): {err[-2000:]}")
+
+
+def start_daemon_process(socket_path: str, arena_nbytes: int, name_prefix: str,
+                         timeout_s: float = 30.0) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "shmtransport", "daemon", "--socket", socket_path,
+           "--arena-size", str(arena_nbytes), "--name-prefix", name_prefix, "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_ready(proc, "shmtransportd", timeout_s)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> int | None:
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    return proc.returncode
+
+
+class WorkerProcess:
+    """``shmtransport worker`` as a child process; ``address`` is the gRPC target (``unix:PATH``)."""
+
+    def __init__(self, socket_path: str, daemon_socket: str, *, device: str = "cpu",
+                 max_inline_bytes: int | None = None, allow_segment_pread: bool = False,
+                 extra_args: tuple[str, ...] = (), env: dict | None = None, timeout_s: float = 60.0):
+        self.address = f"unix:{socket_path}"
+        cmd = [sys.executable, "-m", "shmtransport", "worker", "--socket", socket_path,
+               "--daemon-socket", daemon_socket, "--device", device, "--log-level", "WARNING", *extra_args]
+        if max_inline_bytes is not None:
+            cmd += ["--max-inline-bytes", str(max_inline_bytes)]
+        if allow_segment_pread:
+            cmd.append("--allow-segment-pread")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.ready_line = _wait_ready(self.proc, "shmtransport worker", timeout_s)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> int:
+        self.proc.kill()
+        return self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        return stop_process(self.proc, timeout_s)
+
+    def __enter__(self) -> "WorkerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,401 @@
+"""The GPU-worker side of the pipeline: a gRPC ``Generator`` server (Generate, GenerateStream,
+GetServerInfo) that consumes multimodal requests through ``protocol.worker.open_request`` and runs
+``TinyMultimodalModel``.
+
+Per request: validate the prompt and controls (``sampling.project_sampling``) -> ``open_request``
+(one Acquire for every shm tensor, identity recomputed from shared memory and checked, is_embed
+expanded) -> tensors on the device (CPU: the zero-copy views themselves; CUDA: one host->device copy
+straight from the arena mapping, registered as pinned memory with ``cudaHostRegister`` when
+possible) -> encoders -> **leases released** (``EngineInputs.consumed()``) -> merge at ``is_embed``
+-> decode, streaming one chunk per token. Leases are also released on every error, on cancel and
+when the client goes away (the generator is closed and its ``finally`` runs).
+
+Timing of each request travels back in trailing metadata ``x-shmt-timing`` (JSON of
+``time.perf_counter()`` stamps; on Linux that clock is system-wide CLOCK_MONOTONIC, so the frontend
+can subtract its own stamps): ``received``, ``opened`` (leased + verified), ``on_device``,
+``encoded``, ``released``.
+
+``allow_segment_pread`` (benchmarks only) adds the SMG-style ingest path used as a peer in
+``benchmarks/suites/pipeline.py``: with metadata ``x-shmt-ingest: segment-pread`` every
+``TensorData.shm`` names a fresh file in /dev/shm (prefix ``stbench_seg_``) that the worker reads
+with ``pread`` (copy 1) into a ``bytearray`` (copy 2) and unlinks, as SMG's worker does.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+
+from ..client import Consumer
+from ..errors import IdentityMismatch, InvalidArgument, Reason, ShmTransportError, Unavailable, status_for
+from ..identity import combine, tensor_digest
+from ..protocol import sampling as sampling_mod
+from ..protocol.bridges.capabilities import ServerInfoServicer
+from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.validate import validate_request
+from ..protocol.worker import open_request
+from ..tensors import DTYPES, to_torch
+from ..v1 import generate_pb2 as gpb
+from ..v1 import generate_pb2_grpc as gpb_grpc
+from . import model as model_mod
+from .spec import DEBUG_HOLD_KEY, INGEST_KEY, SEGMENT_PREFIX, TIMING_KEY, grpc_options  # noqa: F401
+
+_log = logging.getLogger("shmtransport.worker")
+
+_FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidArgument(f"device {device!r} requested but CUDA is not available")
+    return device
+
+
+class _Aborted(Exception):
+    """The client cancelled or went away."""
+
+
+class GeneratorService(ServerInfoServicer):
+    def __init__(self, daemon_socket: str | None, *, device: str = "auto", verify: str = "always",
+                 limits: Limits = DEFAULT_LIMITS, allow_segment_pread: bool = False,
+                 host_register: bool = True, chunk_tokens: int = 1, debug_hooks: bool = False):
+        import torch
+
+        super().__init__(limits, native_generate=True)
+        self.limits = limits
+        self.verify = verify
+        self.device = resolve_device(device)
+        self.allow_segment_pread = allow_segment_pread
+        self.chunk_tokens = max(1, chunk_tokens)
+        self.debug_hooks = debug_hooks
+        torch.manual_seed(0)
+        if self.device.startswith("cuda"):  # CPU / GPU token parity: no TF32 in matmuls or cuDNN's GRU
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.model = model_mod.TinyMultimodalModel().to(self.device)
+        self.consumer = Consumer(daemon_socket) if daemon_socket else None
+        self.host_register = host_register and self.device.startswith("cuda")
+        self.registered: dict[str, Any] = {}  # mapping name -> (address, nbytes, flags) once registered
+        self._register_lock = threading.Lock()
+        self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
+
+    # -- device staging -----------------------------------------------------------------------------
+    def _register_arena(self) -> None:
+        """cudaHostRegister the consumer's arena mapping once (pinned: host->device copies by DMA)."""
+        import torch
+
+        mapping = self.consumer._conn.mapping if self.consumer is not None else None
+        if not self.host_register or mapping is None or mapping.name in self.registered:
+            return
+        with self._register_lock:
+            if mapping.name in self.registered:
+                return
+            view = np.frombuffer(mapping.view(0, mapping.nbytes), dtype=np.uint8)
+            ptr = view.ctypes.data
+            result = None
+            cudart = torch.cuda.cudart()
+            # 8 = cudaHostRegisterReadOnly: our consumer mapping is PROT_READ, and flags 0 is refused
+            # there (invalid argument, seen on an H200); 0 stays as the fallback for writable mappings.
+            for flags in ((8, 0) if not mapping.writable else (0, 8)):
+                try:
+                    err = cudart.cudaHostRegister(ptr, mapping.nbytes, flags)
+                    code = int(err.value) if hasattr(err, "value") else int(err)
+                except Exception as exc:  # noqa: BLE001 - registration is an optimisation
+                    _log.warning("cudaHostRegister raised %r", exc)
+                    code = -1
+                if code == 0:
+                    result = (ptr, mapping.nbytes, flags)
+                    break
+                _clear_cuda_error()
+                _log.info("cudaHostRegister(flags=%d) of %s failed with %d", flags, mapping.name, code)
+            self.registered[mapping.name] = result  # None = registration refused: pageable copies
+            _log.info("cudaHostRegister of %s: %s", mapping.name, result)
+            self._registered_view = view  # keep the address valid while registered
+
+    def to_device(self, t):
+        if self.device == "cpu":
+            return t  # the zero-copy view of shared memory is the device tensor
+        return t.to(self.device, non_blocking=False)
+
+    # -- request -> encoder outputs ---------------------------------------------------------------
+    def _open(self, request: gpb.GenerateRequest, context, timing: dict[str, float]):
+        """Validated prompt, sampling, adapter and merged inputs_embeds; every lease released."""
+        import torch
+
+        prompt = sampling_mod.prompt_token_ids(request)
+        engine = sampling_mod.project_sampling(request)
+        sampling = model_mod.Sampling.from_engine_kwargs(engine.kwargs)
+        if any(t >= self.model.vocab for t in prompt):
+            raise InvalidArgument(f"prompt token id out of the vocabulary (< {self.model.vocab})")
+        adapter = request.lora_name if request.HasField("lora_name") else None
+        if adapter is not None and adapter not in model_mod.KNOWN_ADAPTERS:
+            raise InvalidArgument(f"unknown LoRA adapter {adapter!r}; loaded: {', '.join(model_mod.KNOWN_ADAPTERS)}")
+        mm = request.multimodal
+        for batch in mm.batches:
+            if batch.adapter and batch.adapter != (adapter or ""):
+                raise InvalidArgument(f"features are cached under adapter {batch.adapter!r} but the request runs "
+                                      f"adapter {adapter or 'none'!r}")
+        metadata = dict(context.invocation_metadata()) if context is not None else {}
+        ingest = metadata.get(INGEST_KEY, "shm")
+        hold_ms = int(metadata.get(DEBUG_HOLD_KEY, 0)) if self.debug_hooks else 0
+        items: list[model_mod.MMItem] = []
+        inputs = None
+        try:
+            if not mm.batches and not mm.raw_media:
+                pass
+            elif ingest == "segment-pread":
+                if not self.allow_segment_pread:
+                    raise InvalidArgument("segment-pread ingest is disabled on this worker")
+                items = self._open_segments(mm, len(prompt))
+            else:
+                inputs = open_request(self.consumer, mm, verify=self.verify, prompt_len=len(prompt),
+                                      limits=self.limits)
+                if self.host_register:
+                    self._register_arena()
+                if hold_ms:
+                    self._hold(hold_ms, context)
+                for modality, kw_list in inputs.mm_kwargs.items():
+                    for kw, ph in zip(kw_list, inputs.mm_placeholders[modality]):
+                        items.append(model_mod.MMItem(modality, dict(kw), ph.offset, ph.length, ph.is_embed))
+            timing["opened"] = time.perf_counter()  # leased (or read) + identity verified, still on the host
+            for it in items:  # is_embed must count what the encoder will produce: check before running it
+                want = model_mod.num_embeds(it.modality, it.kwargs)
+                have = int(it.is_embed.sum()) if it.is_embed is not None else it.length
+                if want != have:
+                    raise InvalidArgument(f"{it.modality} placeholder at {it.offset} marks {have} embed positions "
+                                          f"but its tensors give {want} embeddings")
+            for it in items:
+                it.kwargs = {k: self.to_device(v) for k, v in it.kwargs.items()}
+                if it.is_embed is not None:
+                    it.is_embed = it.is_embed.to(self.device)
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            timing["on_device"] = time.perf_counter()
+            with torch.no_grad():
+                encoded = [self.model.encode(it) for it in items]
+                if self.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+            timing["encoded"] = time.perf_counter()
+        finally:
+            for it in items:
+                it.kwargs = {}  # drop every view of the leases first, or the release is deferred
+            if inputs is not None:
+                inputs.consumed()
+            timing["released"] = time.perf_counter()
+        with torch.no_grad():
+            ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
+            embeds = self.model.merge(ids, items, encoded)
+        return prompt, sampling, adapter, embeds, engine
+
+    @staticmethod
+    def _hold(hold_ms: int, context) -> None:
+        """Debug hook: keep the leases for ``hold_ms`` (or until the client goes away)."""
+        deadline = time.monotonic() + hold_ms / 1000
+        while time.monotonic() < deadline:
+            if context is not None and not context.is_active():
+                raise _Aborted()
+            time.sleep(0.01)
+
+    def _open_segments(self, mm, prompt_len: int) -> list[model_mod.MMItem]:
+        """SMG-style ingest (benchmark peer): pread + bytearray per tensor file, unlink, verify."""
+        import torch
+
+        checked = validate_request(mm, self.limits, prompt_len)
+        items = []
+        for batch in checked.batches:
+            for it in batch.items:
+                arrays, entries = {}, []
+                for key, t in it.tensors.items():
+                    if t.kind == "shm":
+                        arrays[key] = _pread_segment(t.source.shm.name, t.nbytes, t.dtype, t.shape)
+                    else:
+                        arrays[key] = np.frombuffer(t.source, dtype=DTYPES[t.dtype]).reshape(t.shape)
+                    if self.verify == "always":
+                        digest = tensor_digest(batch.scheme, arrays[key].reshape(-1).view(np.uint8))
+                        entries.append((key, t.dtype, t.shape, t.nbytes, digest))
+                if self.verify == "always" and it.mm_hash:
+                    identity = combine(batch.scheme, batch.modality, entries)
+                    if identity != it.mm_hash:
+                        raise IdentityMismatch(f"{batch.modality}[{it.index}]: payload identity {identity} != "
+                                               f"mm_hash {it.mm_hash}")
+                mask = it.placeholder.is_embed
+                is_embed = torch.from_numpy(np.ascontiguousarray(mask.to_bools(), dtype=np.bool_)) if mask else None
+                items.append(model_mod.MMItem(batch.modality, {k: to_torch(a, it.tensors[k].dtype)
+                                                               for k, a in arrays.items()},
+                                              it.placeholder.offset, it.placeholder.length, is_embed))
+        return items
+
+    # -- RPCs -----------------------------------------------------------------------------------------
+    def _chunks(self, request: gpb.GenerateRequest, context):
+        timing = {"received": time.perf_counter()}
+        self.stats["requests"] += 1
+        try:
+            prompt, sampling, adapter, embeds, engine = self._open(request, context, timing)
+        finally:
+            if context is not None:
+                context.set_trailing_metadata(((TIMING_KEY, json.dumps(timing)),))
+        want_mask = engine.return_sampling_mask
+        first = True
+        pending: list[int] = []
+        n = 0
+        mask_ids: list[int] = []
+        mask_offsets: list[int] = [0]
+        for tok, finish in self.model.generate(embeds, prompt, sampling, adapter):
+            if context is not None and not context.is_active():
+                raise _Aborted()
+            pending.append(tok)
+            n += 1
+            if want_mask:
+                mask_ids.append(tok)
+                mask_offsets.append(len(mask_ids))
+            if finish is None and len(pending) < self.chunk_tokens:
+                continue
+            chunk = gpb.GenerateStreamChunk(index=0, num_tokens=len(pending), token_ids=pending)
+            if first:
+                chunk.num_prompt_tokens = len(prompt)
+                first = False
+            if finish is not None:
+                chunk.terminal = True
+                chunk.finish_reason = _FINISH[finish]
+                chunk.num_output_tokens = n
+                if finish == "stop":
+                    if tok in sampling.stop_token_ids:
+                        chunk.matched_stop.stop_token_id = tok
+                    else:
+                        chunk.matched_stop.eos_token_id = tok
+                if want_mask:
+                    chunk.sampling_mask.token_ids.extend(mask_ids)
+                    chunk.sampling_mask.offsets.extend(mask_offsets)
+            yield chunk
+            pending = []
+
+    def _fail(self, exc: BaseException, context) -> None:
+        self.stats["errors"] += 1
+        if isinstance(exc, ShmTransportError):
+            code, details = status_for(exc)
+        else:
+            _log.exception("request failed")
+            code, details = status_for(ShmTransportError(f"worker error: {type(exc).__name__}: {exc}",
+                                                         Reason.INTERNAL))
+        context.abort(code, details)
+
+    def GenerateStream(self, request, context):
+        gen = self._chunks(request, context)
+        try:
+            for chunk in gen:
+                yield chunk
+        except _Aborted:
+            self.stats["cancelled"] += 1
+        except GeneratorExit:  # the client went away: closing ``gen`` runs every finally
+            self.stats["cancelled"] += 1
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, context)
+        finally:
+            gen.close()
+
+    def Generate(self, request, context):
+        try:
+            chunks = list(self._chunks(request, context))
+        except _Aborted:
+            self.stats["cancelled"] += 1
+            context.abort(grpc.StatusCode.CANCELLED, "cancelled")
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc, context)
+        from ..protocol.folding import fold
+
+        return fold(chunks, request_id=request.request_id)
+
+    def close(self) -> None:
+        if self.registered:
+            import torch
+
+            for result in self.registered.values():
+                if result is not None:
+                    torch.cuda.cudart().cudaHostUnregister(result[0])
+            self.registered.clear()
+            self._registered_view = None
+        if self.consumer is not None:
+            self.consumer.close()
+
+
+def _clear_cuda_error() -> None:
+    """A failed cudaHostRegister leaves the runtime's "last error" set, and torch's next kernel
+    launch check would report it as its own failure: consume it here (a tiny kernel whose launch
+    check reads and clears it)."""
+    import torch
+
+    getter = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    try:
+        if getter is not None:
+            getter()
+            return
+        (torch.zeros(1, device="cuda") + 1).item()
+    except Exception:  # noqa: BLE001 - that was the stale error being consumed
+        pass
+
+
+def _pread_segment(name: str, nbytes: int, dtype: str, shape) -> np.ndarray:
+    if "/" in name or not name.startswith(SEGMENT_PREFIX):
+        raise InvalidArgument(f"refusing segment name {name!r}")
+    path = os.path.join("/dev/shm", name)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks, got = [], 0
+        while got < nbytes:
+            chunk = os.pread(fd, nbytes - got, got)
+            if not chunk:
+                raise InvalidArgument(f"{name}: {got} of {nbytes} bytes")
+            chunks.append(chunk)
+            got += len(chunk)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    buf = bytearray(raw)  # SMG's second copy
+    del raw, chunks
+    return np.frombuffer(buf, dtype=DTYPES[dtype]).reshape(shape)
+
+
+class WorkerServer:
+    """The gRPC server around ``GeneratorService``; ``address`` is ``unix:PATH`` or ``HOST:PORT``."""
+
+    def __init__(self, address: str, daemon_socket: str | None, *, max_workers: int = 4, **options):
+        limits: Limits = options.get("limits", DEFAULT_LIMITS)
+        self.address = address
+        self.service = GeneratorService(daemon_socket, **options)
+        max_message = max(64 << 20, limits.max_inline_bytes + (8 << 20))
+        self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=max_workers),
+                                   options=grpc_options(max_message))
+        gpb_grpc.add_GeneratorServicer_to_server(self.service, self._server)
+        self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            self.service.close()
+            raise Unavailable(f"worker cannot listen on {address}")
+
+    def start(self) -> "WorkerServer":
+        self._server.start()
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._server.stop(grace_s).wait(grace_s + 5)
+        self.service.close()
+        if self.address.startswith("unix:"):
+            try:
+                os.unlink(self.address[5:])
+            except FileNotFoundError:
+                pass
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()

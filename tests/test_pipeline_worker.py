@@ -1,0 +1,262 @@
+"""End to end on one node without transformers: frontend (this process) -> shmtransportd (child
+process) -> worker server (child process, ``shmtransport worker``), with synthetic tensors of the
+processors' shapes. Every blocking call has a timeout (the frontend's gRPC deadline, wait_until,
+process waits)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from shmtransport import testing
+from shmtransport.client import Consumer, Producer
+from shmtransport.embedmask import EmbedMask
+from shmtransport.errors import DeadlineExceeded, IdentityMismatch, InvalidArgument
+from shmtransport.protocol.limits import DEFAULT_LIMITS
+from shmtransport.render.frontend import Frontend, Item, WorkerUnavailable
+from shmtransport.render.media import synthetic_features
+from shmtransport.v1 import generate_pb2 as gpb
+from shmtransport.worker.process import WorkerProcess, start_daemon_process, stop_process
+from shmtransport.worker.spec import DEBUG_HOLD_KEY
+
+TIMEOUT_S = 30.0
+INLINE_CAP = 128 << 20
+LIMITS = dataclasses.replace(DEFAULT_LIMITS, max_inline_bytes=INLINE_CAP)
+SAMPLING = {"seed": 11, "temperature": 0.9, "top_k": 40, "top_p": 0.9, "min_p": 0.01,
+            "presence_penalty": 0.2, "frequency_penalty": 0.1, "repetition_penalty": 1.1}
+
+
+class Stack:
+    def __init__(self, tmp: str, prefix: str):
+        self.tmp = tmp
+        self.prefix = prefix
+        self.daemon_socket = os.path.join(tmp, "d.sock")
+        self.daemon = start_daemon_process(self.daemon_socket, 256 << 20, prefix)
+        self.worker = self.start_worker("w.sock")
+
+    def start_worker(self, name: str) -> WorkerProcess:
+        return WorkerProcess(os.path.join(self.tmp, name), self.daemon_socket, device="cpu",
+                             max_inline_bytes=INLINE_CAP, extra_args=("--debug-hooks", "--torch-threads", "1"))
+
+    def stat(self):
+        with Consumer(self.daemon_socket, timeout_s=5) as c:
+            return c.stat()
+
+    def settled(self, timeout_s: float = 10.0):
+        return testing.wait_until(lambda: (lambda s: s if s.live_leases == 0 and s.live_objects == 0 else None)(
+            self.stat()), timeout_s=timeout_s, interval_s=0.05, what="daemon without live leases/objects")
+
+    def close(self) -> None:
+        self.worker.stop()
+        stop_process(self.daemon)
+        testing.remove_tree(self.tmp)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack(testing.short_tmpdir("shmtpipe"), testing.unique_prefix())
+    yield s
+    s.close()
+    assert not testing.segments_of(s.prefix)
+
+
+@pytest.fixture
+def fe(stack):
+    with Producer(stack.daemon_socket, timeout_s=TIMEOUT_S) as producer, \
+            Frontend(stack.worker.address, producer, timeout_s=TIMEOUT_S, limits=LIMITS) as frontend:
+        yield frontend
+
+
+def kind_items(kind: str) -> list[Item]:
+    image = lambda g, seed: Item("image", synthetic_features("image", grid=g, seed=seed))  # noqa: E731
+    return {
+        "image": [image((1, 16, 16), 1)],
+        "image-large": [image((1, 58, 86), 2)],
+        "multi-image": [image((1, 16, 16), 3), image((1, 16, 24), 4), image((1, 8, 8), 5)],
+        "video": [Item("video", synthetic_features("video", grid=(4, 16, 16), seed=6))],
+        "audio": [Item("audio", synthetic_features("audio", seed=7))],
+        "image+video": [image((1, 16, 16), 8), Item("video", synthetic_features("video", grid=(2, 16, 16), seed=9))],
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["image", "image-large", "multi-image", "video", "audio", "image+video"])
+def test_request_kind_shm_inline_parity(stack, fe, kind):
+    """Every kind: identical tokens for the same seed through shm and inline; identities verified."""
+    results = {}
+    for mode in ("shm", "inline"):
+        results[mode] = fe.generate(kind_items(kind), "what is this", mode=mode, sampling=SAMPLING,
+                                    stopping={"max_tokens": 6})
+    shm, inline = results["shm"], results["inline"]
+    assert shm.token_ids == inline.token_ids and len(shm.token_ids) >= 1
+    assert shm.identities == inline.identities and all(i.startswith("xxh3-128:") for i in shm.identities)
+    assert shm.shm_bytes > 0 and inline.inline_bytes == shm.shm_bytes
+    assert shm.timing["released"] >= shm.timing["encoded"] >= shm.timing["on_device"]
+    assert stack.settled()
+
+
+def test_stream_and_unary_agree_and_server_info(stack, fe):
+    a = fe.generate(kind_items("image"), sampling=SAMPLING, stopping={"max_tokens": 5})
+    b = fe.generate(kind_items("image"), sampling=SAMPLING, stopping={"max_tokens": 5}, stream=False)
+    assert a.token_ids == b.token_ids and a.num_prompt_tokens == b.num_prompt_tokens > 64
+    info = fe.server_info()
+    assert info.supports_native_generate and "xxh3-128" in info.identity_schemes
+    assert info.max_inline_bytes == INLINE_CAP
+    assert stack.settled()
+
+
+def test_sampling_and_stopping_controls(stack, fe):
+    items = lambda: kind_items("image")  # noqa: E731
+    greedy = [fe.generate(items(), sampling={"temperature": 0.0, "seed": s}, stopping={"max_tokens": 8,
+                                                                                      "ignore_eos": True})
+              for s in (1, 2)]
+    assert greedy[0].token_ids == greedy[1].token_ids and len(greedy[0].token_ids) == 8
+    assert greedy[0].finish_reason == gpb.FINISH_REASON_LENGTH
+    seeded = [fe.generate(items(), sampling={"temperature": 1.5, "seed": s}, stopping={"max_tokens": 12,
+                                                                                     "ignore_eos": True})
+              for s in (5, 5, 6)]
+    assert seeded[0].token_ids == seeded[1].token_ids != seeded[2].token_ids
+    # stop at a token the greedy run produces at position 3; min_tokens defers it
+    stop = greedy[0].token_ids[3]
+    first = greedy[0].token_ids.index(stop)
+    out = fe.generate(items(), sampling={"temperature": 0.0}, stopping={"max_tokens": 8, "stop_token_ids": [stop]})
+    assert out.finish_reason == gpb.FINISH_REASON_STOP and out.token_ids == greedy[0].token_ids[:first + 1]
+    late = fe.generate(items(), sampling={"temperature": 0.0},
+                       stopping={"max_tokens": 8, "min_tokens": first + 2, "stop_token_ids": [stop],
+                                 "ignore_eos": True})
+    assert len(late.token_ids) >= first + 2
+    # top_k = 1 is greedy whatever the temperature; a strong logit bias forces a token
+    k1 = fe.generate(items(), sampling={"temperature": 1.0, "top_k": 1, "seed": 3},
+                     stopping={"max_tokens": 8, "ignore_eos": True})
+    assert k1.token_ids == greedy[0].token_ids
+    biased = fe.generate(items(), sampling={"temperature": 0.0, "logit_bias": {77: 100.0}},
+                         stopping={"max_tokens": 3, "ignore_eos": True})
+    assert biased.token_ids == [77, 77, 77]
+    with pytest.raises(InvalidArgument, match="top_p"):
+        fe.generate(items(), sampling={"top_p": 0.0})
+    assert stack.settled()
+
+
+def test_lora_scoped_request(stack, fe):
+    base = fe.generate(kind_items("image"), sampling={"temperature": 0.0}, stopping={"max_tokens": 6})
+    lora = fe.generate(kind_items("image"), adapter="sql-lora", sampling={"temperature": 0.0},
+                       stopping={"max_tokens": 6})
+    assert lora.identities == base.identities  # mm_hash is content-only
+    prepared = fe.build(kind_items("image"), adapter="sql-lora")
+    assert prepared.request.multimodal.batches[0].items[0].cache_identifier.startswith("sql-lora:xxh3-128:")
+    prepared.built.release()
+    assert lora.token_ids != base.token_ids  # the adapter changes the head
+    with pytest.raises(InvalidArgument, match="unknown LoRA adapter"):
+        fe.generate(kind_items("image"), adapter="nope-lora")
+    prepared = fe.build(kind_items("image"), adapter="sql-lora")
+    prepared.request.lora_name = "chat-lora"  # features cached under another adapter
+    with pytest.raises(InvalidArgument, match="cached under adapter"):
+        fe.send(prepared)
+    assert stack.settled()
+
+
+def test_cancel_mid_stream_releases_leases(stack, fe):
+    out = fe.generate(kind_items("image-large"), sampling=SAMPLING,
+                      stopping={"max_tokens": 500, "ignore_eos": True}, cancel_after=2)
+    assert out.cancelled and len(out.token_ids) == 2
+    s = stack.settled()
+    assert s.live_leases == 0 and s.live_objects == 0
+    # the client gives up (deadline) while the worker still holds the leases (debug hold): released too
+    with Frontend(stack.worker.address, fe.producer, timeout_s=1.0, limits=LIMITS) as short:
+        with pytest.raises(DeadlineExceeded):
+            short.generate(kind_items("image"), metadata=((DEBUG_HOLD_KEY, "20000"),))
+    assert stack.settled().live_leases == 0
+    assert fe.generate(kind_items("image"), stopping={"max_tokens": 2}).token_ids  # the worker still serves
+
+
+def test_malformed_requests_rejected(stack, fe):
+    prepared = fe.build(kind_items("image"))
+    batch = prepared.request.multimodal.batches[0]
+    bools = EmbedMask(batch.items[0].placeholder.is_embed, batch.items[0].placeholder.is_embed_nbits).to_bools()
+    bools = bools.astype(bool)
+    bools[np.flatnonzero(bools)[-1]] = False
+    batch.items[0].placeholder.is_embed = batch.mm_placeholders[0].is_embed = EmbedMask.from_bools(bools).packed
+    with pytest.raises(InvalidArgument, match="marks 63 embed positions but its tensors give 64"):
+        fe.send(prepared)
+    prepared = fe.build(kind_items("image"))
+    item = prepared.request.multimodal.batches[0].items[0]
+    item.mm_hash = prepared.request.multimodal.batches[0].mm_hashes[0] = "xxh3-128:" + "0" * 32
+    item.cache_identifier = item.mm_hash
+    with pytest.raises(IdentityMismatch):
+        fe.send(prepared)
+    prepared = fe.build(kind_items("image"))
+    prepared.request.text = "hello"  # a text prompt instead of token ids
+    with pytest.raises(InvalidArgument, match="text prompt"):
+        fe.send(prepared)
+    assert stack.settled()
+
+
+def test_worker_sigkill_mid_request(stack):
+    """The worker dies holding leases: the frontend gets WorkerUnavailable, the daemon reclaims."""
+    worker = stack.start_worker("w2.sock")
+    result = {}
+    try:
+        with Producer(stack.daemon_socket, timeout_s=TIMEOUT_S) as producer, \
+                Frontend(worker.address, producer, timeout_s=TIMEOUT_S, limits=LIMITS) as fe:
+            def run():
+                try:
+                    fe.generate(kind_items("image-large"), metadata=((DEBUG_HOLD_KEY, "20000"),))
+                except Exception as exc:  # noqa: BLE001
+                    result["exc"] = exc
+
+            t = threading.Thread(target=run)
+            t.start()
+            testing.wait_until(lambda: stack.stat().live_leases >= 2, timeout_s=10, what="worker holds leases")
+            worker.kill()
+            t.join(TIMEOUT_S)
+            assert not t.is_alive()
+        assert isinstance(result.get("exc"), WorkerUnavailable), result
+        assert "gone or unreachable" in str(result["exc"])
+        s = stack.settled()
+        assert s.live_leases == 0 and s.live_objects == 0 and s.reclaimed_death_leases >= 2
+    finally:
+        worker.stop()
+
+
+def _frontend_child(conn, daemon_socket: str, address: str) -> None:
+    from shmtransport.client import Producer
+    from shmtransport.render.frontend import Frontend, Item
+    from shmtransport.render.media import synthetic_features
+
+    producer = Producer(daemon_socket, timeout_s=TIMEOUT_S)
+    fe = Frontend(address, producer, timeout_s=TIMEOUT_S)
+    conn.send("ready")
+    fe.generate([Item("image", synthetic_features("image", grid=(1, 58, 86)))],
+                metadata=((DEBUG_HOLD_KEY, "20000"),))
+    conn.send("finished")  # never reached: killed while the worker holds the leases
+
+
+def test_frontend_sigkill_mid_request(stack):
+    """The frontend dies mid-request: the worker sees the disconnect and releases its leases, the
+    daemon reclaims the frontend's objects, and the worker keeps serving."""
+    child = testing.BlockingChild(_frontend_child, stack.daemon_socket, stack.worker.address)
+    try:
+        assert child.recv(TIMEOUT_S) == "ready"
+        testing.wait_until(lambda: stack.stat().live_leases >= 2, timeout_s=15, what="worker holds leases")
+        child.kill()
+    finally:
+        child.close()
+    s = stack.settled()
+    assert s.live_leases == 0 and s.live_objects == 0
+    with Producer(stack.daemon_socket, timeout_s=TIMEOUT_S) as producer, \
+            Frontend(stack.worker.address, producer, timeout_s=TIMEOUT_S) as fe:
+        assert fe.generate(kind_items("image"), stopping={"max_tokens": 2}).token_ids
+    assert stack.settled()
+
+
+def test_demo_quick_runs_clean():
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("shmtdemo")}
+    proc = subprocess.run([sys.executable, "-m", "shmtransport.demo", "--quick"], capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "leftovers: none" in proc.stdout
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("shmtdemo")} <= before
