@@ -79,7 +79,7 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
     import numpy as np
 
     from .client import Consumer, Handle, Producer
-    from .errors import IdentityMismatch, ShmTransportError
+    from .errors import IdentityMismatch, Reason, ShmTransportError, Unavailable
 
     client = None
     last_handle = None
@@ -138,7 +138,18 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                 _, blob, seed, nbytes, pause_at = msg
                 handle = Handle.from_bytes(blob)
                 phase("c_before_acquire", pause_at)
-                lease = client.acquire(handle)
+                known_bug = False
+                try:
+                    lease = client.acquire(handle)
+                except Unavailable as exc:
+                    if exc.reason is not Reason.INSTANCE_MISMATCH or "connected to" not in str(exc):
+                        raise
+                    # KNOWN BUG (tests/chaos/test_chaos.py, strict xfail): the client compared the
+                    # handle with the instance of its previous session without reconnecting. Count
+                    # it, reconnect (any call does) and retry, so the rest of the run stays checked.
+                    known_bug = True
+                    client.stat()
+                    lease = client.acquire(handle)
                 verified = False
                 try:
                     phase("c_after_acquire", pause_at)
@@ -156,10 +167,10 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                     except ShmTransportError:
                         pass
                     if verified:  # the bytes were right; only the release failed (daemon gone)
-                        conn.send(("ok_release_failed", _typed(exc)))
+                        conn.send(("ok_release_failed", _typed(exc), known_bug))
                         continue
                     raise
-                conn.send(("ok",))
+                conn.send(("ok", known_bug))
             elif cmd == "stat":
                 s = client.stat()
                 conn.send(("stat", s.live_objects, s.live_leases))
@@ -449,6 +460,7 @@ class Chaos:
             self._note("get", got)
             if got is not None and got[0] in ("ok", "ok_release_failed"):
                 self.transferred_nbytes += nbytes
+                self.known_bug_hits += bool(got[-1])
             elif not killed:
                 self._undelivered(got)
             producer = self.workers["producer"][p_idx]
@@ -465,13 +477,6 @@ class Chaos:
 
     def _undelivered(self, answer: tuple | None) -> None:
         """Nothing was killed in this iteration, yet the tensor did not arrive."""
-        if (answer is not None and answer[0] == "error" and answer[1][1] == "instance_mismatch"
-                and "connected to" in answer[1][2]):
-            # KNOWN BUG (see tests/chaos/test_chaos.py::test_a_consumer_idle_across_a_daemon_restart_...):
-            # Consumer.acquire_many compares the handle's instance with the one of its last session
-            # before reconnecting, so a consumer idle across a daemon restart refuses valid handles.
-            self.known_bug_hits += 1
-            return
         self._fail(f"nothing was killed, yet the tensor was not delivered: {answer!r}")
 
     def _note(self, step: str, answer: tuple | None) -> None:

@@ -70,7 +70,7 @@ ARRAY = np.arange(4096, dtype=np.float32)
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "BUG: src/shmtransport/client.py:637 Consumer.acquire_many compares h.shm.instance_id with "
+    "BUG: src/shmtransport/client.py Consumer.acquire_many (the `h.shm.instance_id != self.instance_id` check, line ~640) compares h.shm.instance_id with "
     "self.instance_id (the hello of its last session) before _call() -> _conn.ensure() has noticed the "
     "daemon restart and reconnected, so a Consumer idle across a daemon restart refuses every valid handle "
     "of the new instance with Unavailable(INSTANCE_MISMATCH) until some other call (stat, release) "
