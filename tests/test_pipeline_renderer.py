@@ -40,6 +40,20 @@ def test_image_processor_shapes_and_sparse_is_embed(renderer):
     assert not bools[0] and not bools[-1] and bools[1:-1].all()
 
 
+def test_image_written_in_place_matches_the_processor(renderer, daemon):
+    """``image_into`` points the processor's own patchify step at a loan: same bytes, no extra copy."""
+    image = media.synthetic_image(448, 336, seed=9)
+    ref = renderer.image(image)
+    buf, grid = renderer.image_into(image, lambda shape: np.empty(shape, np.float32))
+    np.testing.assert_array_equal(buf, ref["pixel_values"])
+    assert grid.tolist() == ref["image_grid_thw"].tolist()
+    with Producer(daemon.socket_path) as producer:
+        loan, grid = renderer.image_into(image, lambda shape: producer.loan(shape=shape, dtype=np.float32))
+        np.testing.assert_array_equal(loan.array, ref["pixel_values"])
+        loan.release()
+    assert not hasattr(renderer.image_processor, "patchify") or "patchify" not in vars(renderer.image_processor)
+
+
 def test_video_patches_written_into_a_loan(renderer, daemon):
     frames, grid = renderer.video_frames(media.synthetic_video(5, 224, 224, seed=2))  # odd: last frame repeated
     assert grid == (3, 16, 16)
@@ -56,7 +70,8 @@ def test_video_patches_written_into_a_loan(renderer, daemon):
             np.testing.assert_array_equal(rows[1, :, :, 1], frames[3].reshape(256, 3, 2, 196)[:, :, 0])
             del rows
             consumer.release_many([lease], wait=True)
-        producer.release(handle, wait=True)
+        loan.release()  # after commit: drops the producer's reference
+        producer.flush()
     prompt = expand_prompt("x", [("video", {"video_grid_thw": np.array([grid])})])
     assert prompt.placeholders[0].num_embeds == 3 * 64
     assert prompt.placeholders[0].length == 3 * 64 + 3 + 2  # a separator per temporal group + start/end

@@ -99,6 +99,20 @@ def test_request_kind_shm_inline_parity(stack, fe, kind):
     assert stack.settled()
 
 
+def test_loaned_tensors_committed_by_the_frontend(stack, fe):
+    """A tensor the renderer wrote in place (a loan) is committed by the frontend with the digest from
+    shared memory: nothing copied but the grid, same tokens and identity as inline."""
+    kw = synthetic_features("image", grid=(1, 16, 16), seed=1)
+    loan = fe.producer.loan(shape=kw["pixel_values"].shape, dtype=np.float32)
+    np.copyto(loan.array, kw["pixel_values"])  # the renderer's last step
+    a = fe.generate([Item("image", {"pixel_values": loan, "image_grid_thw": kw["image_grid_thw"]})],
+                    sampling=SAMPLING, stopping={"max_tokens": 4})
+    b = fe.generate([Item("image", kw)], mode="inline", sampling=SAMPLING, stopping={"max_tokens": 4})
+    assert a.token_ids == b.token_ids and a.identities == b.identities
+    assert a.copied_bytes == kw["image_grid_thw"].nbytes and b.copied_bytes == 3 * b.inline_bytes
+    assert stack.settled()
+
+
 def test_stream_and_unary_agree_and_server_info(stack, fe):
     a = fe.generate(kind_items("image"), sampling=SAMPLING, stopping={"max_tokens": 5})
     b = fe.generate(kind_items("image"), sampling=SAMPLING, stopping={"max_tokens": 5}, stream=False)

@@ -63,10 +63,12 @@ class Media:
         if real:
             r = media.Renderer()
             self._renderer = r
-            self.features["img224"] = r.image(media.synthetic_image(224, 224, seed=1))
-            self.features["img448"] = r.image(media.synthetic_image(448, 448, seed=2))
-            self.features["img448b"] = r.image(media.synthetic_image(448, 448, seed=3))
-            self.features["img896"] = r.image(media.synthetic_image(1344, 896, seed=4))
+            self.images = {"img224": media.synthetic_image(224, 224, seed=1),
+                           "img448": media.synthetic_image(448, 448, seed=2),
+                           "img448b": media.synthetic_image(448, 448, seed=3),
+                           "img896": media.synthetic_image(1344, 896, seed=4)}
+            for key, image in self.images.items():
+                self.features[key] = r.image(image)
             self.video = r.video_frames(media.synthetic_video(8, 448, 448, seed=5))
             self.features["aud"] = r.audio(media.synthetic_audio(5.0, seed=6))
         else:
@@ -79,29 +81,40 @@ class Media:
             self.features["aud"] = sf("audio", seed=6)
 
     def items(self, kind: Kind, mode: str, producer) -> list:
+        """The kind's items. Shared-memory path with the real renderer: images and video are written
+        in place into loans (committed by the frontend, digest from shared memory); audio (and every
+        synthetic tensor) is copied once by ``put``. Inline path: the processors' numpy output."""
         from .render.frontend import Item
         from .render.media import Renderer, video_shape
 
         out = []
-        for modality, key in kind.parts:
-            if modality == "video" and self.video is not None:
-                frames, grid = self.video
-                grid_arr = np.array([grid], dtype=np.int64)
-                if mode == "shm":  # the renderer's last step writes straight into a shared-memory loan
-                    loan = producer.loan(shape=video_shape(grid), dtype=np.float32)
-                    try:
+        try:
+            for modality, key in kind.parts:
+                if modality == "video" and self.video is not None:
+                    frames, grid = self.video
+                    grid_arr = np.array([grid], dtype=np.int64)
+                    if mode == "shm":  # the pairing step writes straight into a shared-memory loan
+                        loan = producer.loan(shape=video_shape(grid), dtype=np.float32)
+                        out.append(Item("video", {"pixel_values_videos": loan, "video_grid_thw": grid_arr}))
                         Renderer.assemble_video(frames, grid, loan.array)
-                        handle = loan.commit(hash=True)
-                    except BaseException:
-                        loan.release()
-                        raise
-                    out.append(Item("video", {"pixel_values_videos": handle, "video_grid_thw": grid_arr},
-                                    owned=[handle]))
+                    else:
+                        pv = Renderer.assemble_video(frames, grid, np.empty(video_shape(grid), np.float32))
+                        out.append(Item("video", {"pixel_values_videos": pv, "video_grid_thw": grid_arr}))
+                elif modality == "image" and self.real and mode == "shm":
+                    # the processor's own patchify step writes into the loan
+                    loan, grid = self._renderer.image_into(
+                        self.images[key], lambda shape: producer.loan(shape=shape, dtype=np.float32))
+                    out.append(Item("image", {"pixel_values": loan, "image_grid_thw": grid}))
                 else:
-                    pv = Renderer.assemble_video(frames, grid, np.empty(video_shape(grid), np.float32))
-                    out.append(Item("video", {"pixel_values_videos": pv, "video_grid_thw": grid_arr}))
-            else:
-                out.append(Item(modality, dict(self.features[key])))
+                    out.append(Item(modality, dict(self.features[key])))
+        except BaseException:
+            from .client import Loan
+
+            for it in out:
+                for v in it.kwargs.values():
+                    if isinstance(v, Loan):
+                        v.release()
+            raise
         return out
 
 
@@ -177,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             for kind in KINDS:
                 for r in range(rounds + 1):  # round 0 warms up and is not recorded
                     for mode in ("shm", "inline"):
+                        items = media.items(kind, mode, producer)  # rendering: not part of the handoff
                         t_start = time.perf_counter()
-                        items = media.items(kind, mode, producer)
                         outcome = fe.generate(items, "what is in this input", mode=mode, adapter=kind.adapter,
                                               sampling=SAMPLING, stopping={"max_tokens": MAX_TOKENS},
                                               t_start=t_start)
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(results: dict[tuple[str, str], list]) -> bool:
     ms = 1e3
     print(f"\n{'request kind':<16} {'MiB':>6} {'handoff p50':>11} {'e2e p50':>8} {'e2e p99':>8} "
-          f"{'inline handoff':>14} {'inline e2e':>10} {'speedup':>8} {'copies':>7} {'tokens':>7}  identity")
+          f"{'inline handoff':>14} {'inline e2e':>10} {'speedup':>8} {'copied MiB':>11} {'tokens':>7}  identity")
     ok = True
     for kind in KINDS:
         shm, inline = results[(kind.name, "shm")], results[(kind.name, "inline")]
@@ -247,16 +260,18 @@ def _print_table(results: dict[tuple[str, str], list]) -> bool:
         parity = all(a.token_ids == b.token_ids for a, b in zip(shm, inline))
         same_id = all(a.identities == b.identities for a, b in zip(shm, inline))
         ok &= parity and same_id
-        copies = f"{shm[0].host_copies}/{inline[0].host_copies}"
+        copies = f"{shm[0].copied_bytes / 2**20:.1f}/{inline[0].copied_bytes / 2**20:.0f}"
         print(f"{kind.name:<16} {shm[0].shm_bytes / 2**20:6.1f} {statistics.median(h) * ms:9.2f}ms "
               f"{statistics.median(e) * ms:6.1f}ms {_p(e, 99) * ms:6.1f}ms {statistics.median(hi) * ms:12.2f}ms "
               f"{statistics.median(ei) * ms:8.1f}ms {statistics.median(hi) / statistics.median(h):7.1f}x "
-              f"{copies:>7} {'same' if parity else 'DIFF':>7}  {'verified' if same_id else 'MISMATCH'}")
+              f"{copies:>11} {'same' if parity else 'DIFF':>7}  {'verified' if same_id else 'MISMATCH'}")
     print("(handoff: renderer output ready -> worker holds the verified tensors on its device; e2e: + encoders,\n"
-          " merge at is_embed and 8 sampled tokens streamed back; speedup: inline handoff / shm handoff; copies:\n"
-          " full host copies of tensor bytes per request, shm/inline (shm: one put with the digest fused, 0 for\n"
-          " the video patches written in place; inline: tobytes + serialize + parse); tokens: shm vs inline,\n"
-          " same seed; identity: the worker recomputed every item identity from the payload, equal on both paths)")
+          " merge at is_embed and 8 sampled tokens streamed back; speedup: inline handoff / shm handoff;\n"
+          " copied MiB: host copies of tensor bytes after rendering, shm/inline — shm: 0 for pixel patches the\n"
+          " renderer wrote in place into loans (the digest is computed from shared memory at commit), one copy\n"
+          " with the digest fused for the rest (audio features, grids); inline: tobytes + serialize + parse;\n"
+          " tokens: shm vs inline with the same seed; identity: the worker recomputed every item identity\n"
+          " from the payload, equal on both paths)")
     return ok
 
 

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import grpc
 import numpy as np
 
-from ..client import Handle, Producer
-from ..errors import DeadlineExceeded, Reason, ShmTransportError, Unavailable, error_from_rpc
+from ..client import Handle, Loan, Producer
+from ..errors import DeadlineExceeded, InvalidArgument, Reason, ShmTransportError, Unavailable, error_from_rpc
 from ..protocol.folding import fold
 from ..protocol.frontend import BuiltRequest, build_request
 from ..protocol.items import FeatureItem
@@ -48,7 +48,8 @@ class WorkerUnavailable(Unavailable):
 
 @dataclasses.dataclass
 class Item:
-    """One rendered item: ``kwargs`` are numpy arrays or committed ``Handle``s (written in place);
+    """One rendered item: ``kwargs`` are numpy arrays, loans the renderer wrote in place (committed
+    by ``Frontend.build`` with the digest computed from shared memory) or committed ``Handle``s;
     ``owned``: such handles, released by the frontend with the request."""
 
     modality: str
@@ -57,11 +58,17 @@ class Item:
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes if isinstance(v, Handle) else np.asarray(v).nbytes for v in self.kwargs.values())
+        return sum(_nbytes(v) for v in self.kwargs.values())
 
     @property
     def in_place(self) -> int:
-        return sum(v.nbytes for v in self.kwargs.values() if isinstance(v, Handle))
+        return sum(_nbytes(v) for v in self.kwargs.values() if isinstance(v, (Handle, Loan)))
+
+
+def _nbytes(v: Any) -> int:
+    if isinstance(v, Loan):
+        return v.handle.nbytes
+    return v.nbytes if isinstance(v, Handle) else np.asarray(v).nbytes
 
 
 @dataclasses.dataclass
@@ -73,7 +80,8 @@ class Prepared:
     t_start: float
     shm_bytes: int
     inline_bytes: int
-    host_copies: int  # full host copies of tensor bytes (shm: one put each; inline: tobytes, serialize, parse)
+    host_copies: int  # full host copies of tensors (shm: one put each; inline: tobytes, serialize, parse)
+    copied_bytes: int = 0  # bytes those copies moved (tensors written in place by the renderer: 0)
 
 
 @dataclasses.dataclass
@@ -92,6 +100,7 @@ class Outcome:
     host_copies: int
     identities: list[str]
     cancelled: bool = False
+    copied_bytes: int = 0
 
     @property
     def latency_s(self) -> float:
@@ -147,6 +156,7 @@ class Frontend:
               stopping: dict[str, Any] | None = None, request_id: str | None = None,
               t_start: float | None = None) -> Prepared:
         t_start = time.perf_counter() if t_start is None else t_start
+        items = self._commit_loans(items, mode)
         owned = [h for it in items for h in it.owned]
         try:
             prompt = expand_prompt(text, [(it.modality, it.kwargs) for it in items])
@@ -166,11 +176,42 @@ class Frontend:
             req.lora_name = adapter
         total = sum(it.nbytes for it in items)
         n_tensors = sum(len(it.kwargs) for it in items)
-        if mode == "shm":
+        if mode == "shm":  # one put per tensor not written in place
             copies, shm_bytes, inline_bytes = n_tensors - sum(len(it.owned) for it in items), total, 0
-        else:
-            copies, shm_bytes, inline_bytes = 3 * n_tensors, 0, total  # tobytes + serialize + the worker's parse
-        return Prepared(req, built, owned, mode, t_start, shm_bytes, inline_bytes, copies)
+            copied = total - sum(it.in_place for it in items)
+        else:  # tobytes + serialize + the worker's parse
+            copies, shm_bytes, inline_bytes, copied = 3 * n_tensors, 0, total, 3 * total
+        return Prepared(req, built, owned, mode, t_start, shm_bytes, inline_bytes, copies, copied)
+
+    def _commit_loans(self, items: Sequence[Item], mode: str) -> list[Item]:
+        """Commit the loans the renderer wrote in place (digest from shared memory, no RPC: commit by
+        handoff); on failure every loan and handle of the request is given back."""
+        loans = [v for it in items for v in it.kwargs.values() if isinstance(v, Loan)]
+        if not loans:
+            return list(items)
+        try:
+            if mode != "shm" or self.producer is None:
+                raise InvalidArgument("loaned tensors go through mode='shm' with a Producer")
+            handles = iter(self.producer.commit_many(loans, hash=self.scheme == "xxh3-128"))
+        except BaseException:
+            for loan in loans:
+                loan.release()
+            owned = [h for it in items for h in it.owned]
+            if owned and self.producer is not None:
+                self.producer.release(owned)
+            raise
+        for loan in loans:
+            loan._detach_views()  # the producer keeps its reference through the handle (as put_many does)
+        out = []
+        for it in items:
+            kw, new = {}, []
+            for k, v in it.kwargs.items():
+                if isinstance(v, Loan):
+                    v = next(handles)
+                    new.append(v)
+                kw[k] = v
+            out.append(Item(it.modality, kw, owned=list(it.owned) + new))
+        return out
 
     def _release(self, prepared: Prepared) -> None:
         prepared.built.release()
@@ -219,7 +260,7 @@ class Frontend:
         return Outcome(req.request_id, tokens, response.finish_reason if response else gpb.FINISH_REASON_ABORTED,
                        response.num_prompt_tokens if response else 0, timing, prepared.t_start, t_first, t_end,
                        prepared.mode, prepared.shm_bytes, prepared.inline_bytes, prepared.host_copies, identities,
-                       cancelled)
+                       cancelled, prepared.copied_bytes)
 
     def generate(self, items: Sequence[Item], text: str = "describe this", *, stream: bool = True,
                  cancel_after: int | None = None, metadata: Sequence[tuple[str, str]] | None = None,

@@ -11,10 +11,13 @@
 - ``synthetic_features``: tensors of the same shapes and dtypes without transformers (tests of
   the worker and pipeline that must run without the extra).
 
-Where the bytes go: the image processor and the feature extractor return fresh numpy arrays that
-cannot be pointed at a caller's buffer (no ``out=`` in their final patchify / log-mel step), so
-those are copied ONCE into shared memory with the content digest fused into the copy
-(``Producer.put_many(hash=True)``); the video path's final step is ours and writes in place.
+Where the bytes go (shared-memory path): images are written in place — ``Renderer.image_into``
+points the processor's last step (its patchify transpose, a copy it makes anyway) at a loaned
+shared-memory buffer, and the frontend commits the loan with the digest computed from shared
+memory (loan -> commit, no extra copy). Video patches are assembled by our pairing step straight
+into a loan (same). The Whisper feature extractor's log-mel output is a fresh array with no
+``out=``, so it is copied ONCE into shared memory with the digest fused into the copy
+(``Producer.put_many(hash=True)``).
 """
 from __future__ import annotations
 
@@ -103,6 +106,46 @@ class Renderer:
     def image(self, image) -> dict[str, np.ndarray]:
         out = self.image_processor(images=[image], return_tensors="np")
         return {"pixel_values": np.asarray(out["pixel_values"]), "image_grid_thw": np.asarray(out["image_grid_thw"])}
+
+    def image_into(self, image, alloc) -> tuple[Any, np.ndarray]:
+        """Render one image with its ``pixel_values`` written straight into ``alloc(shape)`` (e.g. a
+        shared-memory loan's array): the processor's own last step — the patchify transpose, the
+        one copy it makes anyway — writes into that buffer instead of a fresh array. Returns
+        ``(alloc's buffer, image_grid_thw)``. Needs the PIL processor's ``patchify`` (transformers
+        >= 5); older processors fall back to one copy of their output into the buffer."""
+        proc = self.image_processor
+        captured: dict[str, Any] = {}
+        if not hasattr(type(proc), "patchify"):
+            out = self.image(image)
+            buf = alloc(out["pixel_values"].shape)
+            np.copyto(buf if isinstance(buf, np.ndarray) else buf.array, out["pixel_values"])
+            return buf, out["image_grid_thw"]
+
+        def patchify(img, patch_size, merge_size, temporal_patch_size):
+            img = np.asarray(img, dtype=np.float32)
+            c, height, width = img.shape
+            gh, gw = height // patch_size, width // patch_size
+            buf = alloc((gh * gw, c * temporal_patch_size * patch_size * patch_size))
+            captured["buf"] = buf
+            dst = (buf if isinstance(buf, np.ndarray) else buf.array).reshape(
+                gh // merge_size, gw // merge_size, merge_size, merge_size, c, temporal_patch_size, patch_size,
+                patch_size)
+            src = img.reshape(c, gh // merge_size, merge_size, patch_size, gw // merge_size, merge_size, patch_size)
+            np.copyto(dst, np.transpose(src, (1, 4, 2, 5, 0, 3, 6))[:, :, :, :, :, None])  # broadcast over time
+            del dst
+            return np.empty((0, c * temporal_patch_size * patch_size * patch_size), np.float32), gh, gw
+
+        proc.patchify = patchify  # this instance only, for this call
+        try:
+            out = proc(images=[image], return_tensors="np")
+        except BaseException:
+            buf = captured.get("buf")
+            if buf is not None and hasattr(buf, "release"):
+                buf.release()
+            raise
+        finally:
+            del proc.patchify
+        return captured["buf"], np.asarray(out["image_grid_thw"])
 
     def video_frames(self, frames: list) -> tuple[list[np.ndarray], tuple[int, int, int]]:
         """Per-frame processor output (each row duplicates its frame over the temporal patch) and
