@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py csrc/build_native.py $(wildcard csrc/*.c csrc/
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[dev,torch,nixl]"
+	$(PIP) install -q -e ".[dev,torch,nixl,renderer]"
 	$(PY) -c "import shmtransport; assert shmtransport.BACKEND == 'c', shmtransport.BACKEND"
 	touch $(STAMP)
 
