@@ -50,8 +50,10 @@ PRODUCER_POINTS = ("before_loan", "after_loan", "mid_copy", "after_commit", "bef
 CONSUMER_POINTS = ("before_acquire", "after_acquire", "after_verify", "after_release")
 CONSUMER_PHASES = tuple("c_" + p for p in CONSUMER_POINTS)
 POINTS = PRODUCER_POINTS + CONSUMER_PHASES
-PARTIES = ("producer", "consumer", "daemon", "none")
-PARTY_WEIGHTS = (0.3, 0.3, 0.1, 0.3)
+# "stall": the consumer stops (alive, lease held) at c_after_acquire until its lease expires by TTL
+# and the bytes are reused; when it goes on, Lease.verify must detect that (IdentityMismatch).
+PARTIES = ("producer", "consumer", "daemon", "stall", "none")
+PARTY_WEIGHTS = (0.3, 0.3, 0.1, 0.02, 0.28)
 
 CLIENT_TIMEOUT_S = 3.0
 COMMAND_DEADLINE_S = 15.0  # a worker that does not answer a command within this is hung
@@ -154,9 +156,10 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                 try:
                     phase("c_after_acquire", pause_at)
                     lease.verify()
-                    same = bool(np.array_equal(lease.array, expected_bytes(seed, nbytes)))
-                    if not same:
-                        raise IdentityMismatch("verified digest but the bytes differ from the expected ones")
+                    if not np.array_equal(lease.array, expected_bytes(seed, nbytes)):
+                        client.release_many([lease])
+                        conn.send(("silent_foreign", ("-", "-", "digest verified but the bytes differ")))
+                        continue
                     verified = True
                     phase("c_after_verify", pause_at)
                     client.release_many([lease], wait=True)
@@ -324,8 +327,10 @@ def shm_segments(prefix: str) -> list[str]:
 # -- the controller --------------------------------------------------------------------------------
 class Chaos:
     def __init__(self, seed: int, producers: int = 2, consumers: int = 2, arena: str = "8M",
-                 lease_ttl_ms: int = 1500, max_nbytes: int = 256 << 10, kills: bool = True):
+                 lease_ttl_ms: int = 1000, max_nbytes: int = 256 << 10, kills: bool = True):
         self.rng = random.Random(seed)
+        self.lease_ttl_ms = lease_ttl_ms
+        self._stalled = False
         self.seed = seed
         self.kills_enabled = kills
         self.max_nbytes = max_nbytes
@@ -431,6 +436,10 @@ class Chaos:
                 return answer
             self.kills[(party, answer[1])] += 1
             killed.append(party)
+            if party == "stall":
+                self._stall(p_idx, c_idx)
+                worker.send(("go",))
+                continue
             self._kill(party, p_idx, c_idx)
             if party == worker.role:
                 return None
@@ -444,11 +453,17 @@ class Chaos:
             party = rng.choices(PARTIES, PARTY_WEIGHTS)[0] if self.kills_enabled else "none"
         if point is None:
             point = rng.choice(POINTS)
+        if party == "stall":
+            point = "c_after_acquire"
+        self._stalled = party == "stall"
         pause_at = None if party == "none" else point
         p_idx = rng.randrange(self.n_producers)
         c_idx = rng.randrange(self.n_consumers)
         nbytes = rng.choice((1, 4096, rng.randrange(1, self.max_nbytes)))
+        if party == "stall":
+            nbytes = max(nbytes, 4096)  # large enough that reused bytes differ
         seed = rng.randrange(1 << 31)
+        self._nbytes = nbytes
         killed: list = []
         producer = self.workers["producer"][p_idx]
         answer = self._run(producer, ("put", seed, nbytes, pause_at), pause_at, party, p_idx, c_idx, killed)
@@ -490,12 +505,40 @@ class Chaos:
             self.outcomes[f"{step}:{kind}"] += 1
         if kind == "crash":
             self._fail(f"{step}: untyped exception in the worker:\n{answer[1]}")
-        elif kind == "foreign":
+        elif kind == "foreign" and not self._stalled:
             self._fail(f"{step}: stale or foreign bytes: {answer[1]}")
+        elif kind == "silent_foreign":
+            self._fail(f"{step}: foreign bytes passed verification: {answer[1]}")
 
-    def _daemon_state(self) -> tuple[int, int] | None:
+    def _stall(self, p_idx: int, c_idx: int) -> None:
+        """The consumer waits (alive, its lease held) at c_after_acquire: the producer releases, the
+        lease must expire by TTL, then the same producer puts other bytes of the same size (the
+        allocator reuses the freed range) and releases them."""
+        producer = self.workers["producer"][p_idx]
+        answer = self._run(producer, ("release", None), None, "none", p_idx, c_idx, [])
+        if answer is None or answer[0] != "released":
+            self._fail(f"stall: the producer's release failed: {answer!r}")
+            return
+        other = (c_idx + 1) % self.n_consumers
+        deadline = time.monotonic() + self.lease_ttl_ms / 1000 + SETTLE_S
+        state = None
+        while time.monotonic() < deadline:
+            state = self._daemon_state(other)
+            if state == (0, 0):
+                break
+            time.sleep(0.05)
+        if state != (0, 0):
+            self._fail(f"stall: the stalled consumer's lease did not expire by TTL ({self.lease_ttl_ms} ms): {state}")
+            return
+        self.outcomes["stall:lease_expired_by_ttl"] += 1
+        for _ in range(2):  # the first put may land elsewhere if the arena is fragmented
+            answer = self._run(producer, ("put", self.rng.randrange(1 << 31), self._nbytes, None), None, "none",
+                               p_idx, c_idx, [])
+            self._run(producer, ("release", None), None, "none", p_idx, c_idx, [])
+
+    def _daemon_state(self, index: int = 0) -> tuple[int, int] | None:
         """(live objects, live leases) through a consumer worker's Stat (None if unreachable)."""
-        worker = self.workers["consumer"][0]
+        worker = self.workers["consumer"][index]
         worker.wait_ready()
         worker.send(("stat",))
         try:
@@ -503,7 +546,7 @@ class Chaos:
         except (TimeoutError, ChildDied) as exc:
             self._fail(f"stat: {exc}")
             worker.kill()
-            self._respawn("consumer", 0)
+            self._respawn("consumer", index)
             return None
         if answer[0] != "stat":
             return None

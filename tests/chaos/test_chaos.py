@@ -31,7 +31,7 @@ def test_random_kills_of_any_party_at_any_point_leave_no_leak_no_hang_and_only_v
     assert not report["failures"], "\n".join(report["failures"][:20])
     assert report["iterations"] == CI_ITERATIONS
     # The harness really injected kills of every party, and transfers really happened.
-    assert set(report["kills"]) == {"producer", "consumer", "daemon"}, report["kills"]
+    assert set(report["kills"]) >= {"producer", "consumer", "daemon"}, report["kills"]
     assert report["kills_total"] >= CI_ITERATIONS // 3
     assert report["outcomes"].get("get:ok", 0) >= CI_ITERATIONS // 4, report["outcomes"]
     assert report["final"]["baseline"] is not None
@@ -40,7 +40,7 @@ def test_random_kills_of_any_party_at_any_point_leave_no_leak_no_hang_and_only_v
 @pytest.mark.skipif(_backend != "c", reason="chaos exercises lifetimes, not kernels")
 @pytest.mark.parametrize("party,point", [("producer", "mid_copy"), ("consumer", "c_after_acquire"),
                                          ("daemon", "mid_copy"), ("daemon", "c_after_acquire"),
-                                         ("producer", "c_after_acquire")])
+                                         ("producer", "c_after_acquire"), ("stall", "c_after_acquire")])
 def test_a_kill_at_a_chosen_point_is_injected_there_and_the_daemon_settles_clean(party, point):
     c = chaos.Chaos(seed=7)
     with c:
@@ -52,18 +52,25 @@ def test_a_kill_at_a_chosen_point_is_injected_there_and_the_daemon_settles_clean
     assert report["kills"] == {party: {point: 1}}
     # after the kill, an iteration without kills delivered verified bytes
     assert report["outcomes"].get("get:ok", 0) >= 1, report["outcomes"]
+    if party == "stall":  # the lease expired by TTL, the bytes were reused, verify() caught it
+        assert report["outcomes"].get("stall:lease_expired_by_ttl") == 1, report["outcomes"]
+        assert report["outcomes"].get("get:foreign") == 1, report["outcomes"]
 
 
 def test_the_harness_reports_foreign_bytes_as_a_failure():
     """The check can fail: a worker answer of stale/foreign bytes is a failure, not a typed error."""
     c = chaos.Chaos.__new__(chaos.Chaos)
-    c.failures, c.iterations, c.seed = [], 1, 0
+    c.failures, c.iterations, c.seed, c._stalled = [], 1, 0, False
     import collections
 
     c.outcomes = collections.Counter()
     c._note("get", ("foreign", ("IdentityMismatch", "identity_mismatch", "digest mismatch")))
     c._note("put", ("crash", "Traceback: KeyError"))
     assert len(c.failures) == 2
+    c._stalled = True  # after a stall, a *detected* mismatch is the expected outcome; a silent one never
+    c._note("get", ("foreign", ("IdentityMismatch", "identity_mismatch", "digest mismatch")))
+    c._note("get", ("silent_foreign", ("-", "-", "digest verified but the bytes differ")))
+    assert len(c.failures) == 3
 
 
 ARRAY = np.arange(4096, dtype=np.float32)
