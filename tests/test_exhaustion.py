@@ -259,21 +259,10 @@ def test_a_client_under_a_64_fd_limit_with_enough_spare_fds_works(make_daemon):
     _assert_typed_fd_outcome(make_daemon(), spare=12)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: src/shmtransport/client.py _Connection._connect: `socket.socket()` (outside the try) and "
-    "`arena.attach` (arena.py ArenaMapping.__init__ catches only FileNotFoundError around os.open) "
-    "let OSError(EMFILE 'Too many open files') escape untyped when the client process has 0-2 spare "
-    "fds; expected a typed error (e.g. ResourceExhausted or Unavailable)"))
 def test_a_client_with_no_spare_fd_gets_a_typed_error_and_recovers(make_daemon):
     _assert_typed_fd_outcome(make_daemon(), spare=0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (gRPC core, reachable through client.py _Connection._connect): with 3-5 spare fds the "
-    "session socket and arena fd succeed, then grpc.insecure_channel/the first RPC cannot create its "
-    "eventfd and gRPC aborts the whole process (SIGABRT, 'absl StatusOr ... Eventfd wakeup fd is not "
-    "supported'). Mitigation in our code: check fd headroom (e.g. dup a handful of fds) before "
-    "creating the channel and raise a typed error instead"))
 def test_a_client_a_few_fds_short_of_what_grpc_needs_gets_a_typed_error_not_sigabrt(make_daemon):
     _assert_typed_fd_outcome(make_daemon(), spare=4)
 
@@ -297,12 +286,6 @@ def _connect_many(socket_path: str, n: int) -> list[str]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: src/shmtransport/daemon/sessions.py:104 SessionServer._accept catches only "
-    "BlockingIOError/InterruptedError around listener.accept(); OSError(EMFILE) when the daemon is out "
-    "of fds escapes and kills the shmt-sessions thread ('Exception in thread shmt-sessions ... Too many "
-    "open files'): from then on no client can connect (typed Unavailable after its timeout) and closed "
-    "sessions are never reclaimed (their fds and leases stay) even after the load drops"))
 def test_a_daemon_out_of_fds_refuses_clients_with_typed_errors_and_recovers_when_they_leave():
     tmp = testing.short_tmpdir()
     prefix = testing.unique_prefix()
@@ -370,12 +353,6 @@ def test_100k_live_leases_in_batches_stay_bounded_in_daemon_rss_and_all_release(
     assert not shm_segments(prefix)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: src/shmtransport/client.py _Client.flush/_take_queued send every queued release in one "
-    "ReleaseRequest, but the daemon refuses batches above Limits.max_batch (4096, registry.py "
-    "_check_batch): Consumer.release_many(>4096 leases, wait=True) raises InvalidArgument and the "
-    "client has already dropped them from its queue, so the leases stay live until TTL/session end "
-    "(without wait=True the background flush logs the refusal and leaks them the same way)"))
 def test_release_many_of_more_leases_than_one_batch_releases_them_all(make_daemon):
     daemon = make_daemon(arena_nbytes=MiB)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, \

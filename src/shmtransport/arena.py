@@ -11,7 +11,7 @@ import mmap
 import os
 import threading
 
-from .errors import HandleError, Reason, Unavailable
+from .errors import HandleError, Reason, ResourceExhausted, Unavailable
 
 SHM_DIR = "/dev/shm"
 POPULATE_MAX_NBYTES = 4 << 30  # larger arenas fault pages in on first touch instead
@@ -28,6 +28,8 @@ class ArenaMapping:
             fd = os.open(os.path.join(SHM_DIR, name), flags | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise Unavailable(f"segment {name!r} does not exist (daemon gone?)", Reason.INSTANCE_MISMATCH) from exc
+        except OSError as exc:  # EMFILE/ENFILE and the like: typed, so the caller can back off
+            raise ResourceExhausted(f"cannot open segment {name!r}: {exc}", Reason.FD_LIMIT) from exc
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:

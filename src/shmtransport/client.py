@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import resource
 import socket
 import threading
 import warnings
@@ -24,6 +26,7 @@ import numpy as np
 from . import arena
 from ._backend import kernels
 from .daemon.config import default_socket_path
+from .daemon.registry import MAX_BATCH
 from .daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
 from .errors import (
     ClosedError,
@@ -33,6 +36,7 @@ from .errors import (
     PermissionDenied,
     StateError,
     Reason,
+    ResourceExhausted,
     ShmTransportError,
     Unavailable,
     error_from_rpc,
@@ -128,7 +132,11 @@ class _Connection:
             return False
 
     def _connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _check_fd_headroom()
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ResourceExhausted(f"cannot open a socket to shmtransportd: {exc}", Reason.FD_LIMIT) from exc
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path + ".session")
@@ -318,6 +326,7 @@ class _Client:
         self._conn = _Connection(socket_path or default_socket_path(), timeout_s, self._writable)
         self._release_delay_s = release_delay_s
         self._lock = threading.RLock()
+        self._flush_lock = threading.Lock()  # one flush at a time: flush() returns when all landed
         self._deferred: list[_View] = []  # released by the caller, views still alive
         self._queued_handles: list[pb.Handle] = []
         self._queued_leases: list[int] = []
@@ -338,11 +347,15 @@ class _Client:
         return self._call("Stat", pb.StatRequest())
 
     def flush(self) -> None:
-        """Send every queued release now (one RPC); daemon-side errors raise here."""
-        with self._lock:
-            request = self._take_queued()
-        if request is not None:
-            self._call("Release", request)
+        """Send every queued release now (one RPC per batch); daemon-side errors raise here. Returns
+        once every release queued before the call has been applied, whichever thread sent it."""
+        with self._flush_lock:
+            while True:
+                with self._lock:
+                    request = self._take_queued()
+                if request is None:
+                    return
+                self._call("Release", request)
 
     # -- internals -------------------------------------------------------------------------------
     def _call(self, method: str, request):
@@ -366,14 +379,17 @@ class _Client:
             request.release.CopyFrom(queued)
 
     def _take_queued(self) -> pb.ReleaseRequest | None:
+        """Up to one batch (the daemon's limit) of queued releases; the rest stays queued."""
         if not self._queued_handles and not self._queued_leases:
             return None
-        request = pb.ReleaseRequest(handles=self._queued_handles, lease_ids=self._queued_leases)
-        self._queued_handles, self._queued_leases = [], []
-        if self._timer is not None:
+        handles = self._queued_handles[:MAX_BATCH]
+        leases = self._queued_leases[: MAX_BATCH - len(handles)]
+        del self._queued_handles[: len(handles)]
+        del self._queued_leases[: len(leases)]
+        if self._timer is not None and not self._queued_handles and not self._queued_leases:
             self._timer.cancel()
             self._timer = None
-        return request
+        return pb.ReleaseRequest(handles=handles, lease_ids=leases)
 
     def _memory(self, shm: pb.Handle) -> memoryview:
         mapping = self._conn.mapping
@@ -646,6 +662,7 @@ class Consumer(_Client):
     def acquire_many(self, handles: Sequence[Handle], ttl_ms: int = 0) -> list[Lease]:
         """Leases on every handle in one RPC; read-only zero-copy views."""
         handles = list(handles)
+        self._conn.ensure()  # a daemon restart is noticed before handles are compared with it
         for h in handles:
             if h.shm.instance_id != self.instance_id:
                 # Checked by the daemon too; failing early avoids mapping a foreign segment.
@@ -673,6 +690,24 @@ class Consumer(_Client):
             self._release_views(live)
         if wait:
             self.flush()
+
+
+def _check_fd_headroom(needed: int = 16) -> None:
+    """gRPC core aborts the whole process when it cannot create its eventfds: refuse with a typed
+    error first when this process is that close to its fd limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:  # no fd left even for listing: certainly not enough
+        raise ResourceExhausted(f"no file descriptor left: {exc}", Reason.FD_LIMIT) from exc
+    if soft - in_use < needed:
+        raise ResourceExhausted(
+            f"{in_use} of {soft} file descriptors in use; a connection to shmtransportd needs {needed} more "
+            "(raise ulimit -n)",
+            Reason.FD_LIMIT,
+        )
 
 
 def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> tuple[str, tuple[int, ...], int]:

@@ -25,6 +25,7 @@ class Reason(str, enum.Enum):
     ARENA_FULL = "arena_full"
     QUOTA_EXCEEDED = "quota_exceeded"
     SHM_TOO_SMALL = "shm_too_small"  # /dev/shm cannot back the requested arena
+    FD_LIMIT = "fd_limit"  # the process is out of file descriptors
     PERMISSION_DENIED = "permission_denied"
     DAEMON_UNAVAILABLE = "daemon_unavailable"
     INSTANCE_MISMATCH = "instance_mismatch"  # handle of a dead daemon instance
@@ -112,6 +113,7 @@ _TABLE: dict[Reason, tuple[type[ShmTransportError], grpc.StatusCode]] = {
     Reason.ARENA_FULL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.QUOTA_EXCEEDED: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.SHM_TOO_SMALL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    Reason.FD_LIMIT: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.PERMISSION_DENIED: (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     Reason.DAEMON_UNAVAILABLE: (Unavailable, grpc.StatusCode.UNAVAILABLE),
     Reason.INSTANCE_MISMATCH: (Unavailable, grpc.StatusCode.UNAVAILABLE),

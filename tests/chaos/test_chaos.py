@@ -76,12 +76,6 @@ def test_the_harness_reports_foreign_bytes_as_a_failure():
 ARRAY = np.arange(4096, dtype=np.float32)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: src/shmtransport/client.py Consumer.acquire_many (the `h.shm.instance_id != self.instance_id` check, line ~640) compares h.shm.instance_id with "
-    "self.instance_id (the hello of its last session) before _call() -> _conn.ensure() has noticed the "
-    "daemon restart and reconnected, so a Consumer idle across a daemon restart refuses every valid handle "
-    "of the new instance with Unavailable(INSTANCE_MISMATCH) until some other call (stat, release) "
-    "reconnects it. Fix: call self._conn.ensure() before the check."))
 def test_a_consumer_idle_across_a_daemon_restart_acquires_handles_of_the_new_instance(make_daemon):
     tmp = testing.short_tmpdir()
     path = os.path.join(tmp, "d.sock")

@@ -39,6 +39,7 @@ from .allocator import Allocator
 from .segments import Segment
 
 _RATE_WINDOW_S = 5.0
+MAX_BATCH = 4096  # entries in one Loan/Commit/Acquire/Release; clients split larger ones
 
 
 class ObjState(enum.Enum):
@@ -88,7 +89,7 @@ class Limits:
     default_lease_ttl_ms: int
     max_lease_ttl_ms: int
     default_hold_ms: int
-    max_batch: int = 4096
+    max_batch: int = MAX_BATCH
 
 
 class Registry:

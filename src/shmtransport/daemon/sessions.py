@@ -17,11 +17,13 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 _log = logging.getLogger("shmtransport.daemon")
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_ACCEPT_BACKOFF_S = 0.05
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -103,6 +105,10 @@ class SessionServer:
         try:
             conn, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # e.g. EMFILE: keep serving the sessions we have, retry shortly
+            _log.warning("cannot accept a session (%s); retrying", exc)
+            time.sleep(_ACCEPT_BACKOFF_S)
             return
         try:
             pid, uid, _gid = peer_credentials(conn)
