@@ -343,18 +343,20 @@ class _Client:
         return self._conn.instance_id
 
     def stat(self) -> pb.StatResponse:
-        self.flush()
+        self.flush(strict=False)
         return self._call("Stat", pb.StatRequest())
 
-    def flush(self) -> None:
-        """Send every queued release now (one RPC per batch); daemon-side errors raise here. Returns
-        once every release queued before the call has been applied, whichever thread sent it."""
+    def flush(self, strict: bool = True) -> None:
+        """Send every queued release now (one RPC per batch). Returns once every release queued
+        before the call has been applied, whichever thread sent it. ``strict``: daemon-side errors
+        (e.g. a lease that already expired) raise here; otherwise such entries are skipped."""
         with self._flush_lock:
             while True:
                 with self._lock:
                     request = self._take_queued()
                 if request is None:
                     return
+                request.skip_gone = not strict
                 self._call("Release", request)
 
     # -- internals -------------------------------------------------------------------------------
@@ -442,7 +444,7 @@ class _Client:
             if self._deferred:
                 self._requeue_deferred(force=False)
         try:
-            self.flush()
+            self.flush(strict=False)
         except Unavailable:
             pass  # the daemon is gone, and with it everything this client held
         except Exception:
@@ -466,7 +468,7 @@ class _Client:
             return
         try:
             self._requeue_deferred(force=True)
-            self.flush()
+            self.flush(strict=False)
         except Unavailable:
             pass
         finally:
@@ -647,7 +649,7 @@ class Producer(_Client):
         if self._closed:
             raise ClosedError("Producer is closed")
         if wait:
-            self.flush()
+            self.flush(strict=False)
             self._call("Release", pb.ReleaseRequest(handles=[h.shm for h in handles]))
         else:
             self._queue_handles(h.shm for h in handles)

@@ -122,7 +122,9 @@ class _Servicer(pb_grpc.DaemonServicer):
 
     @_typed_errors
     def Release(self, request, context):
-        self._registry.release(self._session_id(context), request.handles, request.lease_ids)
+        self._registry.release(
+            self._session_id(context), request.handles, request.lease_ids, piggybacked=request.skip_gone
+        )
         return pb.ReleaseResponse()
 
     @_typed_errors

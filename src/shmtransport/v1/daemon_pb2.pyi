@@ -101,12 +101,14 @@ class AcquireResponse(_message.Message):
     def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("handles", "lease_ids")
+    __slots__ = ("handles", "lease_ids", "skip_gone")
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_GONE_FIELD_NUMBER: _ClassVar[int]
     handles: _containers.RepeatedCompositeFieldContainer[Handle]
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    skip_gone: bool
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., lease_ids: _Optional[_Iterable[int]] = ..., skip_gone: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
