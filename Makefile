@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-c test-python bench bench-quick proto clean
+.PHONY: setup demo test test-c test-python bench bench-quick chaos soak proto clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,13 @@ bench: setup
 bench-quick: setup
 	for suite in $$($(PY) -c "import sys; sys.path.insert(0, 'benchmarks'); import run; print(*run.available_suites())"); do \
 		$(PY) benchmarks/run.py $$suite --quick || exit 1; done
+
+# The full chaos run (CI runs 200 iterations inside make test) and the 10-minute soak.
+chaos: setup
+	$(PY) -m shmtransport.chaos --iterations 2000 --seed 1 --json benchmarks/results/chaos.json
+
+soak: setup
+	$(PY) -m shmtransport.chaos --soak-s 600 --seed 1
 
 # Regenerate the committed gRPC/protobuf code (tests fail when it is out of date).
 proto: setup

@@ -150,7 +150,8 @@ def _hammer(socket_path: str, seed: int) -> dict:
 
 
 def test_a_full_arena_under_concurrent_producers_gives_arena_full_or_back_pressure_then_recovers(make_daemon):
-    daemon = make_daemon(arena_nbytes=2 * MiB)
+    # A quota above the arena: even a producer that runs alone fills the arena (not its quota).
+    daemon = make_daemon(arena_nbytes=2 * MiB, quota_nbytes=64 * MiB)
     results = start_children(_hammer, [(daemon.socket_path, s) for s in range(3)], timeout_s=120)
     assert all(not r["other"] for r in results), results
     assert sum(r["arena_full"] for r in results) >= 1, results  # the arena really filled up

@@ -351,6 +351,8 @@ class _Client:
         before the call has been applied, whichever thread sent it. ``strict``: daemon-side errors
         (e.g. a lease that already expired) raise here; otherwise such entries are skipped."""
         with self._flush_lock:
+            if self._deferred:
+                self._requeue_deferred(force=False)  # releases whose views are gone by now
             while True:
                 with self._lock:
                     request = self._take_queued()
