@@ -153,13 +153,7 @@ class Registry:
         with self._lock:
             session = self._live_session(session_id)
             total = sum(sizes)
-            if session.owned_nbytes + total > self.limits.quota_nbytes:
-                self.counters["allocation_failures"] += 1
-                raise ResourceExhausted(
-                    f"quota exceeded: session holds {session.owned_nbytes} bytes, asks {total} more, "
-                    f"quota {self.limits.quota_nbytes}",
-                    Reason.QUOTA_EXCEEDED,
-                )
+            self._check_quota(session, total)
             deadline = time.monotonic() + wait_s
             while True:
                 offsets: list[int] = []
