@@ -9,6 +9,12 @@ import sys
 import time
 
 
+# Torch's OpenMP threads spin for a while after each parallel region by default; on a machine the
+# worker shares with the frontend (tests, benchmarks, the demo) that spinning steals the cores the
+# frontend copies with. A variable already set in the environment wins.
+_WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def _wait_ready(proc: subprocess.Popen, what: str, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -65,7 +71,7 @@ class WorkerProcess:
         if allow_segment_pread:
             cmd.append("--allow-segment-pread")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**_WORKER_ENV, **os.environ, **(env or {})})
         self.ready_line = _wait_ready(self.proc, "shmtransport worker", timeout_s)
 
     @property
