@@ -5,7 +5,6 @@ import logging
 import struct
 
 import numpy as np
-import pytest
 import xxhash
 
 from shmtransport.client import Consumer, Producer

@@ -18,10 +18,9 @@ import grpc
 import numpy as np
 import pytest
 
-from shmtransport import testing
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.daemon.server import GRPC_OPTIONS
-from shmtransport.errors import HandleError, OwnershipError, PermissionDenied, Reason, ShmTransportError, Unavailable
+from shmtransport.errors import HandleError, OwnershipError, Reason, ShmTransportError
 from shmtransport.testing import run_in_child
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.v1 import daemon_pb2_grpc as pb_grpc

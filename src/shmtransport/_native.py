@@ -178,7 +178,6 @@ def tree_digest(buf: Any, threads: int | None = None) -> bytes:
     nchunks = -(-nbytes // TREE_CHUNK_NBYTES)
     leaves = bytearray(16 * nchunks)
     src, out = _ptr(view), ffi.from_buffer("uint8_t[]", leaves)
-    nthreads = min(threads or os.cpu_count() or 1, nchunks)
 
     def hash_range(first: int, last: int) -> None:
         _check(lib.shmt_tree_leaves(src, nbytes, first, last, out + 16 * first, 16 * (last - first)),

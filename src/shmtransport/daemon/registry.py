@@ -108,7 +108,9 @@ class Registry:
         self._deadlines: list[tuple[float, int, int]] = []  # (when, kind, key) lazily invalidated
         self._next_generation = 1
         self._next_lease_id = 1
-        self._alloc_times: collections.deque[float] = collections.deque(maxlen=100_000)
+        # Times of the allocations of the last _RATE_WINDOW_S only (pruned on every append), so
+        # memory and the cost of Stat stay proportional to the recent rate, not to uptime.
+        self._alloc_times: collections.deque[float] = collections.deque()
         self.counters = collections.Counter()
 
     # -- sessions --------------------------------------------------------------------------------
@@ -177,7 +179,7 @@ class Registry:
                 self._objects[offset] = obj
                 session.producer_refs.add(offset)
                 session.owned_nbytes += nbytes
-                self._alloc_times.append(now)
+                self._note_allocation(now)
                 handles.append(self._handle(obj))
                 tokens.append(obj.commit_token)
             self.counters["allocations_total"] += len(sizes)
@@ -214,7 +216,7 @@ class Registry:
                     self._dedicated[seg.name] = -gen
                     session.producer_refs.add(-gen)
                     session.owned_nbytes += nbytes
-                    self._alloc_times.append(now)
+                    self._note_allocation(now)
                     handles.append(self._handle(obj))
                     tokens.append(obj.commit_token)
                 self.counters["allocations_total"] += len(sizes)
@@ -391,6 +393,12 @@ class Registry:
                     if obj is not None and obj.hold_until and obj.hold_until <= now:
                         obj.hold_until = 0.0
                         self._maybe_free(obj)
+            # Released leases leave their deadline behind (lazy deletion); rebuild the heap when
+            # such stale entries dominate, so memory follows what is live, not the TTL x rate.
+            if len(self._deadlines) > 4 * (len(self._leases) + len(self._objects)) + 4096:
+                self._deadlines = [(lease.expires_at, 1, lease.lease_id) for lease in self._leases.values()]
+                self._deadlines += [(o.hold_until, 0, key) for key, o in self._objects.items() if o.hold_until]
+                heapq.heapify(self._deadlines)
 
     def next_deadline(self) -> float | None:
         with self._lock:
@@ -400,7 +408,8 @@ class Registry:
     def stat(self) -> pb.StatResponse:
         with self._lock:
             now = time.monotonic()
-            recent = sum(1 for t in self._alloc_times if now - t <= _RATE_WINDOW_S)
+            self._note_allocation(now, count=0)
+            recent = len(self._alloc_times)
             clients = [
                 pb.ClientStat(
                     session_id=s.session_id,
@@ -439,6 +448,12 @@ class Registry:
             )
 
     # -- internals (lock held) -------------------------------------------------------------------
+    def _note_allocation(self, now: float, count: int = 1) -> None:
+        times = self._alloc_times
+        times.extend([now] * count)
+        while times and now - times[0] > _RATE_WINDOW_S:
+            times.popleft()
+
     def _check_batch(self, items: list, what: str) -> None:
         if not items:
             raise InvalidArgument(f"{what} must not be empty")

@@ -145,7 +145,6 @@ def open_request(consumer: Consumer | None, request: fpb.MultimodalRequest, *, v
 def _fill(out: EngineInputs, checked: CheckedRequest, lease_of: dict, verify: str, mode: str,
           unified_vision: bool) -> None:
     for batch in checked.batches:
-        modality = batch.modality
         for it in batch.items:
             arrays: dict[str, np.ndarray] = {}
             try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ...client import Consumer
-from ...embedmask import EmbedMask, PlaceholderRange
+from ...embedmask import EmbedMask
 from ...errors import InvalidArgument
 from ...identity import grpc_mm_identity
 from ...v1 import features_pb2 as fpb
