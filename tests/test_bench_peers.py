@@ -1,5 +1,5 @@
 """The transport benchmark's peers: every correctness flag is computed from the bytes received, so
-it can fail, and the harness leaves no processes or /dev/shm segments behind."""
+it can fail, and the harness leaves no processes, file descriptors or /dev/shm segments behind."""
 from __future__ import annotations
 
 import multiprocessing
@@ -7,42 +7,62 @@ import os
 import pathlib
 import sys
 import tempfile
+from multiprocessing import resource_tracker
 
 import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from peers import BASELINE_PEERS, OURS_PEERS, _ours  # noqa: E402
-from peers.common import PeerError, Session, digest_of, seeded_payload  # noqa: E402
+from peers import BASELINE_PEERS, OURS_PEERS, _ours
+from peers.common import PeerError, Session, digest_of, seeded_payload
 
 NBYTES = 64 << 10
-OUR_PREFIXES = ("stbench_", "psm_", "torch_")  # segment_pread, multiprocessing.shared_memory, torch
+# stbench_: segment_pread, dynamo_segment; psm_: multiprocessing.shared_memory (both peers); torch_
+OUR_PREFIXES = ("stbench_", "psm_", "torch_")
 
 
 def _our_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith(OUR_PREFIXES)}
 
 
+def _open_fds() -> dict[int, str]:
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return fds
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_leftovers():
-    before = _our_segments()
+    resource_tracker.ensure_running()  # the first spawn starts it (one pipe for the process's life)
+    segments, fds = _our_segments(), _open_fds()
     yield
-    leaked = _our_segments() - before
+    leaked = _our_segments() - segments
     children = multiprocessing.active_children()
+    new_fds = {fd: target for fd, target in _open_fds().items() if fds.get(fd) != target}
     assert not leaked, f"/dev/shm leftovers: {sorted(leaked)}"
     assert not children, f"leaked child processes: {children}"
+    assert not new_fds, f"file descriptors left open: {new_fds}"
 
 
 @pytest.fixture
-def daemon_socket():
+def daemon_process():
     why_not = _ours.import_error()
     if why_not is not None:
         pytest.skip(f"shmtransport client/daemon not importable: {why_not}")
     workdir = tempfile.mkdtemp(prefix="stb-test-")
     with _ours.DaemonProcess(os.path.join(workdir, "d.sock"), 32 * NBYTES) as daemon:
-        yield daemon.socket_path
+        yield daemon
     os.rmdir(workdir)
+
+
+@pytest.fixture
+def daemon_socket(daemon_process):
+    return daemon_process.socket_path
 
 
 def _check_flags(session: Session) -> list[bool]:
@@ -83,3 +103,33 @@ def test_lifecycle_pairs_report_a_rate_and_a_true_flag(daemon_socket):
     assert result["correct"] is True
     assert result["lifecycles_per_s"] > 0
     assert len(result["samples"]) >= 2
+
+
+def test_vllm_peer_encodes_the_same_bytes_as_our_kwargs_msgpack():
+    from peers.vllm_msgpack_inline import encode
+
+    from shmtransport.protocol.msgpack_kwargs import encode_kwargs_item
+
+    payload = seeded_payload(4099, seed=3)
+    assert encode(payload) == encode_kwargs_item({"pixel_values": payload})
+
+
+@pytest.mark.timeout(60)
+def test_usage_counts_cpu_and_peak_rss_of_each_process_in_the_timed_span(daemon_process):
+    payload = seeded_payload(4 << 20, seed=5)
+    with Session("mp_shared_memory") as peer:
+        peer.prepare(payload.nbytes, digest_of(payload))
+        for _ in range(3):
+            peer.iteration(payload)
+        usage = peer.usage.take(payload.nbytes)
+    assert set(usage["cpu_s_per_gb"]) == {"producer", "consumer"}
+    assert all(v > 0 for v in usage["cpu_s_per_gb"].values())
+    assert usage["rss_growth_mb"]["consumer"] >= 4.0  # a fresh mapping plus the copy out: >= 4 MiB each span
+    assert peer.usage.spans == 0  # take resets
+    small = payload[: 16 * NBYTES]
+    with Session("shm_put_hash", socket_path=daemon_process.socket_path, daemon_pid=daemon_process.pid) as ours:
+        ours.prepare(small.nbytes, digest_of(small))
+        ours.iteration(small)
+        usage = ours.usage.take(small.nbytes)
+    assert set(usage["cpu_ms_per_op"]) == {"producer", "consumer", "daemon"}
+    assert usage["peak_rss_mb"]["daemon"] > 0

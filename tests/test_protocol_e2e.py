@@ -16,7 +16,9 @@ from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason
 from shmtransport.identity import item_identity
 from shmtransport.protocol import frontend, worker
+from shmtransport.protocol.frontend import DEFAULT_INLINE, NO_INLINE, InlinePolicy
 from shmtransport.protocol.items import FeatureItem, FieldConfig
+from shmtransport.protocol.limits import DEFAULT_LIMITS
 from shmtransport.v1 import features_pb2 as fpb
 
 TIMEOUT_S = 10.0
@@ -70,7 +72,8 @@ def live_leases(client) -> int:
 def test_mixed_image_video_audio_end_to_end_across_processes(daemon):
     items = mixed_items()
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
-        with frontend.build_request(producer, items, adapter="lora-a", prompt_len=40, with_markers=True) as built:
+        with frontend.build_request(producer, items, adapter="lora-a", prompt_len=40, with_markers=True,
+                                    inline=NO_INLINE) as built:
             req = built.request
             assert [fpb.Modality.Name(b.modality) for b in req.batches] == ["MODALITY_IMAGE", "MODALITY_VIDEO",
                                                                             "MODALITY_AUDIO"]
@@ -113,7 +116,7 @@ def test_inline_msgpack_and_shm_paths_give_identical_engine_inputs(daemon, spec)
         assert all(it.HasField("kwargs_msgpack") for b in inline.batches for it in b.items)
         with worker.open_request(None, inline) as inputs:
             via_inline = summarize(inputs)
-        with frontend.build_request(producer, items) as built:
+        with frontend.build_request(producer, items, inline=NO_INLINE) as built:
             assert [it.mm_hash for b in built.request.batches for it in b.items] == \
                 [it.mm_hash for b in inline.batches for it in b.items]
             with worker.open_request(consumer, built.request) as inputs:
@@ -158,7 +161,7 @@ def test_identity_mismatch_rejected_before_execution_and_leases_released(daemon,
     items = [FeatureItem("image", {"pixel_values": np.ones((8, 8), np.float32)}, PlaceholderRange(0, 4))]
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
             Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
-        with frontend.build_request(producer, items) as built:
+        with frontend.build_request(producer, items, inline=NO_INLINE) as built:
             if not digest_sent:  # the item identity check alone must catch it
                 built.request.batches[0].items[0].kwargs["pixel_values"].tensor.digest = b""
             _flip_first_byte(producer, built.request)
@@ -177,7 +180,7 @@ def test_identity_mismatch_rejected_before_execution_and_leases_released(daemon,
 def test_leases_released_after_consumption(daemon):
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
             Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
-        with frontend.build_request(producer, mixed_items()) as built:
+        with frontend.build_request(producer, mixed_items(), inline=NO_INLINE) as built:
             inputs = worker.open_request(consumer, built.request)
             assert consumer.stat().live_leases == len(inputs.leases) == 8
             pv = inputs.mm_kwargs["video"][0]["pixel_values_videos"]
@@ -228,3 +231,86 @@ def test_raw_media_takes_the_unchanged_path(daemon):
     req.raw_media.add(modality=fpb.MODALITY_IMAGE, url="https://example.com/cat.png", uuid="cat")
     with pytest.raises(InvalidArgument, match="raw media"):
         worker.open_request(None, req)
+
+
+# -- the inline threshold: small tensors ride in the message -------------------------------------------
+
+def _payloads(request: fpb.MultimodalRequest) -> list[str]:
+    return [kw.tensor.WhichOneof("payload") for b in request.batches for it in b.items for kw in it.kwargs.values()]
+
+
+def _engine_view(consumer, request) -> dict:
+    with worker.open_request(consumer, request) as inputs:
+        return summarize(inputs)
+
+
+def test_request_below_threshold_goes_inline_whole_without_touching_the_daemon(daemon):
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        built = frontend.build_request(producer, mixed_items())  # ~0.5 KiB in all: below the default
+        assert set(_payloads(built.request)) == {"inline"} and built.handles == []
+        assert built.inline_nbytes == sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor) else v.nbytes
+                                          for it in mixed_items() for v in it.kwargs.values())
+        assert producer.stat().live_objects == 0
+        with frontend.build_request(producer, mixed_items(), inline=NO_INLINE) as shm:
+            assert set(_payloads(shm.request)) == {"shm"}
+            assert _engine_view(consumer, built.request) == _engine_view(consumer, shm.request)
+        assert live_leases(consumer) == 0
+
+
+def test_in_a_shared_memory_request_only_tensors_below_the_tensor_threshold_ride_inline(daemon):
+    big = np.arange(DEFAULT_INLINE.request_below_nbytes // 4, dtype=np.float32)  # request above the threshold
+    grid = np.int64([[1, 2, 2]])
+    items = [FeatureItem("image", {"pixel_values": big, "image_grid_thw": grid}, PlaceholderRange(0, 4))]
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        with frontend.build_request(producer, items) as built, \
+                frontend.build_request(producer, items, inline=NO_INLINE) as shm:
+            kwargs = built.request.batches[0].items[0].kwargs
+            assert kwargs["pixel_values"].tensor.WhichOneof("payload") == "shm"
+            assert kwargs["image_grid_thw"].tensor.WhichOneof("payload") == "inline"
+            assert len(built.handles) == 1 and built.inline_nbytes == grid.nbytes
+            assert built.request.batches[0].items[0].mm_hash == shm.request.batches[0].items[0].mm_hash
+            with worker.open_request(consumer, built.request) as inputs:
+                assert len(inputs.leases) == 1
+                assert inputs.mm_kwargs["image"][0]["image_grid_thw"].tolist() == grid.tolist()
+        assert live_leases(consumer) == 0
+
+
+def test_a_request_with_a_referenced_handle_is_never_inlined_whole(daemon):
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        loan = producer.loan(shape=(4, 8), dtype=np.float32)
+        loan.array[:] = 1.0
+        handle = loan.commit(hash=True)
+        between = np.ones(DEFAULT_INLINE.tensor_below_nbytes // 4, np.float32)  # 4 KiB: below the request threshold
+        items = [FeatureItem("image", {"pixel_values": handle, "between": between, "tiny": np.ones(4, np.float32)},
+                             PlaceholderRange(0, 4))]
+        with frontend.build_request(producer, items) as built:  # shared memory is in use: per-tensor rule
+            assert {k: kw.tensor.WhichOneof("payload") for k, kw in built.request.batches[0].items[0].kwargs.items()} \
+                == {"pixel_values": "shm", "between": "shm", "tiny": "inline"}
+        producer.release(handle)
+
+
+@pytest.mark.parametrize("limit", ["max_inline_items", "max_inline_bytes"])
+def test_inline_tensors_stay_within_the_inline_limits_and_the_rest_go_to_shared_memory(daemon, limit):
+    import dataclasses
+
+    limits = dataclasses.replace(DEFAULT_LIMITS, **({"max_inline_items": 2} if limit == "max_inline_items"
+                                                    else {"max_inline_bytes": 200}))
+    items = [FeatureItem("image", {"pixel_values": np.full(16, i, np.float32)}, PlaceholderRange(8 * i, 4))
+             for i in range(4)]  # 64 B each, 256 B in all
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        with frontend.build_request(producer, items, limits=limits) as built:
+            kinds = _payloads(built.request)
+            assert kinds.count("inline") == (2 if limit == "max_inline_items" else 3) and "shm" in kinds
+            with worker.open_request(consumer, built.request, limits=limits) as inputs:
+                assert [it["pixel_values"][0].item() for it in inputs.mm_kwargs["image"]] == [0, 1, 2, 3]
+        assert live_leases(consumer) == 0
+
+
+def test_negative_inline_thresholds_are_rejected():
+    with pytest.raises(InvalidArgument):
+        InlinePolicy(request_below_nbytes=-1)
+    with pytest.raises(InvalidArgument):
+        InlinePolicy(tensor_below_nbytes=-1)

@@ -14,6 +14,11 @@ Descriptor-passing peers send their names/handles as the ``xfer`` descriptor; pe
 travels on another channel (gRPC, a torch queue) hand the received object over via ``Consumer.take``.
 Every blocking wait has a timeout; a consumer exception comes back as ``("error", traceback)`` and is
 re-raised in the producer as ``PeerError``.
+
+Resource use per timed span (``Session.usage``): CPU seconds of each process involved (producer = this
+process, consumer, and shmtransport's daemon when there is one) from the kernel's per-process CPU
+clock, and each process's peak RSS within the span (VmHWM, reset before the span through
+``/proc/<pid>/clear_refs``). RSS counts shared-memory pages a process has mapped and touched.
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ IDLE_POLL_S = 1.0  # consumer wakes this often to notice a dead parent
 IDLE_LIMIT_S = 900.0  # a consumer that hears nothing for this long exits
 
 CORRUPT_MODES = (None, "sender", "receiver")
+
+
+ROLES = ("producer", "consumer", "daemon")
 
 
 class PeerError(RuntimeError):
@@ -255,11 +263,71 @@ def stop_process(proc, conn, who: str) -> None:
         conn.close()
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (all threads) of any process we may inspect: Linux's CPU-clock id for a pid."""
+    return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Restart VmHWM from the current RSS (clear_refs ``5``); a kernel without it keeps the old peak."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+class Usage:
+    """CPU seconds and peak RSS of the producer, consumer and daemon over the timed spans since the
+    last ``take``; ``Session.iteration`` brackets each span with ``begin``/``end``."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self.cpu_s: dict[str, float] = {}
+        self.peak_kib: dict[str, int] = {}
+        self.growth_kib: dict[str, int] = {}
+        self._start: dict[str, tuple[int, float, int]] = {}
+
+    def begin(self, pids: dict[str, int]) -> None:
+        self._start = {}
+        for role, pid in pids.items():
+            reset_peak_rss(pid)
+            self._start[role] = (pid, process_cpu_s(pid), rss_kib(pid).get("VmRSS", 0))
+
+    def end(self, producer_excluded_s: float = 0.0) -> None:
+        """``producer_excluded_s``: wall time the producer excluded from the span (single-threaded
+        CPU-bound work such as a renderer's write), taken off its CPU as well."""
+        for role, (pid, cpu0, rss0) in self._start.items():
+            try:
+                cpu = process_cpu_s(pid) - cpu0 - (producer_excluded_s if role == "producer" else 0.0)
+            except OSError:  # the process is gone (a failed consumer); nothing to add
+                continue
+            peak = rss_kib(pid).get("VmHWM", 0)
+            self.cpu_s[role] = self.cpu_s.get(role, 0.0) + cpu
+            self.peak_kib[role] = max(self.peak_kib.get(role, 0), peak)
+            self.growth_kib[role] = max(self.growth_kib.get(role, 0), peak - rss0)
+        self.spans += 1
+
+    def take(self, nbytes: int) -> dict[str, dict[str, float]]:
+        """Row fields for spans of ``nbytes`` each (CPU per GB moved, or per op for 0 bytes), then reset."""
+        spans = max(self.spans, 1)
+        out: dict[str, dict[str, float]] = {
+            "cpu_ms_per_op": {r: round(v / spans * 1e3, 4) for r, v in self.cpu_s.items()},
+            "peak_rss_mb": {r: round(v / 1024, 1) for r, v in self.peak_kib.items()},
+            "rss_growth_mb": {r: round(v / 1024, 1) for r, v in self.growth_kib.items()},
+        }
+        if nbytes:
+            out["cpu_s_per_gb"] = {r: round(v / (spans * nbytes / 1e9), 4) for r, v in self.cpu_s.items()}
+        self.spans, self.cpu_s, self.peak_kib, self.growth_kib = 0, {}, {}, {}
+        return out
+
+
 class Session:
     """One peer: its producer object here, its consumer in a spawned child."""
 
-    def __init__(self, peer: str, **options: Any):
+    def __init__(self, peer: str, daemon_pid: int | None = None, **options: Any):
         self.peer_name = peer
+        self.daemon_pid = daemon_pid  # shmtransport's daemon, whose CPU and RSS count for our peers
         self.module_name = f"peers.{peer}"
         module = importlib.import_module(self.module_name)
         self.workdir = tempfile.mkdtemp(prefix=f"stb-{peer[:8]}-")
@@ -268,6 +336,7 @@ class Session:
         self.conn = None
         self.digest = 0
         self.consumer_pid: int | None = None
+        self.usage = Usage()
 
     @property
     def name(self) -> str:
@@ -310,9 +379,12 @@ class Session:
             raise ValueError(f"corrupt must be one of {CORRUPT_MODES}")
         src = corrupted(payload) if corrupt == "sender" else payload
         self.producer.corrupt_send = corrupt == "sender"
+        pids = {"producer": os.getpid(), "consumer": self.consumer_pid, "daemon": self.daemon_pid}
+        self.usage.begin({role: pid for role, pid in pids.items() if pid is not None})
         start = time.perf_counter()
         excluded = self.producer.transfer(src) or 0.0
         elapsed = time.perf_counter() - start - excluded
+        self.usage.end(excluded)
         if self.producer.chan is None:
             ok = self.producer.check_local(self.digest, corrupt == "receiver")
         else:

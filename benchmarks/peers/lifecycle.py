@@ -1,4 +1,5 @@
-"""Request-lifecycle throughput: N concurrent producer/consumer client pairs against one daemon.
+"""Request-lifecycle throughput: N concurrent producer/consumer client pairs against one daemon
+(``run_lifecycles``), and the same shape of request sent inline over gRPC (``run_grpc_inline_lifecycles``).
 
 One lifecycle = put ``tensors`` arrays with hash=True (``put_many`` when the client has it) -> handles over the pair's
 pipe -> ``acquire`` them (``acquire_many``) -> check their digests -> release (``release_many``) -> ack
@@ -14,8 +15,19 @@ import time
 import traceback
 
 from . import _ours
-from .common import CTX, IDLE_LIMIT_S, IDLE_POLL_S, REPLY_TIMEOUT_S, START_TIMEOUT_S, rss_kib, seeded_payload, stop_process, verify, \
-    wait_reply, digest_of
+from .common import (
+    CTX,
+    IDLE_LIMIT_S,
+    IDLE_POLL_S,
+    REPLY_TIMEOUT_S,
+    START_TIMEOUT_S,
+    digest_of,
+    rss_kib,
+    seeded_payload,
+    stop_process,
+    verify,
+    wait_reply,
+)
 
 
 def _batch(obj, name: str):
@@ -57,7 +69,7 @@ def _producer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed:
         try:
             ctl.send(("error", traceback.format_exc()))
             peer.send(("stop",))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 — the parent may be gone already
             pass
     finally:
         if client is not None:
@@ -100,7 +112,7 @@ def _consumer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed:
     except BaseException:  # noqa: BLE001
         try:
             ctl.send(("error", traceback.format_exc()))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 — the parent may be gone already
             pass
     finally:
         if client is not None:
@@ -116,14 +128,55 @@ def run_lifecycles(socket_path: str, pairs: int, tensors: int, nbytes: int, dura
     Returns lifecycles/s (all pairs together), per-lifecycle seconds, the AND of the flags, which
     batch calls were used, and the peak VmRSS (KiB) of ``rss_pid`` sampled during the run.
     """
+    results, consumer_batch, peak = _run_pairs(
+        _producer_main, _consumer_main, lambda i: (socket_path,), pairs, tensors, nbytes, duration_s, rss_pid)
+    samples = [s for r in results for s in r[1]]
+    count = len(samples)
+    wall = max(r[3] for r in results)
+    return {
+        "lifecycles_per_s": count / wall,
+        "samples": samples,
+        "correct": all(r[2] for r in results),
+        "producer_put_many": all(r[4] for r in results),
+        "producer_release_many": all(r[5] for r in results),  # else release(list): also one RPC
+        "consumer_acquire_many": all(b[0] for b in consumer_batch),
+        "consumer_release_many": all(b[1] for b in consumer_batch),
+        "daemon_peak_rss_kib": peak or None,
+    }
+
+
+def run_grpc_inline_lifecycles(workdir: str, pairs: int, tensors: int, nbytes: int, duration_s: float) -> dict:
+    """The inline-gRPC counterpart of ``run_lifecycles``: ``pairs`` producer processes, each calling
+    its own consumer process's gRPC server (Unix socket) with the ``tensors`` arrays' bytes inline in
+    one unary request; the server checks every array's digest inside the call and answers the flag.
+
+    One lifecycle = join the arrays' bytes into the request (the copy a frontend holding numpy arrays
+    pays) -> the call -> the consumer's digest check -> the response. No daemon; no releases.
+    """
+    results, _, _ = _run_pairs(
+        _grpc_producer_main, _grpc_consumer_main, lambda i: (os.path.join(workdir, f"inline{i}.sock"),),
+        pairs, tensors, nbytes, duration_s, None)
+    samples = [s for r in results for s in r[1]]
+    return {
+        "lifecycles_per_s": len(samples) / max(r[3] for r in results),
+        "samples": samples,
+        "correct": all(r[2] for r in results),
+    }
+
+
+def _run_pairs(producer_target, consumer_target, endpoint, pairs: int, tensors: int, nbytes: int,
+               duration_s: float, rss_pid: int | None):
+    """Spawn the pairs (``endpoint(i)``: the leading arguments of pair i's two targets), start every
+    producer at once, collect (producer results, consumer ``done`` payloads, peak RSS of rss_pid)."""
     procs = []  # (process, ctl conn, role)
     try:
         for i in range(pairs):
             prod_peer, cons_peer = CTX.Pipe(duplex=True)
-            for role, target, peer_end in (("producer", _producer_main, prod_peer), ("consumer", _consumer_main, cons_peer)):
+            for role, target, peer_end in (("producer", producer_target, prod_peer),
+                                           ("consumer", consumer_target, cons_peer)):
                 ctl_parent, ctl_child = CTX.Pipe(duplex=True)
                 proc = CTX.Process(target=target, name=f"lifecycle-{role}-{i}", daemon=True,
-                                   args=(socket_path, ctl_child, peer_end, tensors, nbytes, 1000 * i))
+                                   args=(*endpoint(i), ctl_child, peer_end, tensors, nbytes, 1000 * i))
                 proc.start()
                 ctl_child.close()
                 procs.append((proc, ctl_parent, role))
@@ -151,20 +204,95 @@ def run_lifecycles(socket_path: str, pairs: int, tensors: int, nbytes: int, dura
         for proc, ctl, role in procs:
             if role == "consumer":
                 consumer_batch.append(wait_reply(ctl, REPLY_TIMEOUT_S, "lifecycle consumer")[1:])
-        samples = [s for r in results for s in r[1]]
-        count = len(samples)
-        wall = max(r[3] for r in results)
-        return {
-            "lifecycles_per_s": count / wall,
-            "samples": samples,
-            "correct": all(r[2] for r in results),
-            "producer_put_many": all(r[4] for r in results),
-            "producer_release_many": all(r[5] for r in results),  # else release(list): also one RPC
-            "consumer_acquire_many": all(b[0] for b in consumer_batch),
-            "consumer_release_many": all(b[1] for b in consumer_batch),
-            "daemon_peak_rss_kib": peak or None,
-        }
+        return results, consumer_batch, peak
     finally:
         for proc, ctl, _ in procs:
             stop_process(proc, None, "lifecycle")
             ctl.close()
+
+
+# -- the inline-gRPC pair ----------------------------------------------------------------------------
+
+def _grpc_producer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
+    channel = None
+    try:
+        import grpc
+
+        from ._grpc import OPTIONS, SERVICE
+
+        arrays = [seeded_payload(nbytes, seed + i) for i in range(tensors)]
+        ctl.send(("ready", os.getpid()))
+        _, duration_s = wait_reply(ctl, START_TIMEOUT_S, "lifecycle orchestrator")
+        channel = grpc.insecure_channel(f"unix:{socket_path}", options=OPTIONS)
+        grpc.channel_ready_future(channel).result(timeout=START_TIMEOUT_S)
+        call = channel.unary_unary(f"/{SERVICE}/Call")  # raw bytes both ways
+        samples: list[float] = []
+        ok = True
+        start = time.perf_counter()
+        deadline = start + duration_s
+        while True:
+            t0 = time.perf_counter()
+            reply = call(b"".join(arrays), timeout=REPLY_TIMEOUT_S)
+            t1 = time.perf_counter()
+            ok = ok and reply == b"\x01"
+            samples.append(t1 - t0)
+            if t1 >= deadline:
+                break
+        elapsed = time.perf_counter() - start
+        peer.send(("stop",))
+        ctl.send(("result", samples, ok, elapsed, False, False))
+    except BaseException:  # noqa: BLE001
+        try:
+            ctl.send(("error", traceback.format_exc()))
+            peer.send(("stop",))
+        except Exception:  # noqa: BLE001, S110 — the parent may be gone already
+            pass
+    finally:
+        if channel is not None:
+            channel.close()
+        ctl.close()
+        peer.close()
+
+
+def _grpc_consumer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
+    server = None
+    try:
+        from concurrent import futures
+
+        import grpc
+
+        from ._grpc import OPTIONS, SERVICE
+
+        digests = [digest_of(seeded_payload(nbytes, seed + i)) for i in range(tensors)]
+
+        def handle(request: bytes, context) -> bytes:
+            view = memoryview(request)
+            ok = len(request) == tensors * nbytes and all(
+                verify(view[i * nbytes:(i + 1) * nbytes], d) for i, d in enumerate(digests))
+            return b"\x01" if ok else b"\x00"
+
+        handler = grpc.method_handlers_generic_handler(SERVICE, {"Call": grpc.unary_unary_rpc_method_handler(handle)})
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=OPTIONS)
+        server.add_generic_rpc_handlers((handler,))
+        if server.add_insecure_port(f"unix:{socket_path}") == 0:
+            raise RuntimeError(f"cannot bind unix:{socket_path}")
+        server.start()
+        ctl.send(("ready", os.getpid()))
+        parent = mp.parent_process()
+        idle_s = 0.0
+        while not peer.poll(IDLE_POLL_S):
+            idle_s += IDLE_POLL_S
+            if (parent is not None and not parent.is_alive()) or idle_s > IDLE_LIMIT_S:
+                return
+        peer.recv()  # ("stop",)
+        ctl.send(("done", False, False))
+    except BaseException:  # noqa: BLE001
+        try:
+            ctl.send(("error", traceback.format_exc()))
+        except Exception:  # noqa: BLE001, S110 — the parent may be gone already
+            pass
+    finally:
+        if server is not None:
+            server.stop(grace=1.0).wait(5.0)
+        ctl.close()
+        peer.close()

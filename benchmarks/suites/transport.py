@@ -20,9 +20,10 @@ import time
 import traceback
 
 from harness import Report
-
 from peers import BASELINE_PEERS, OURS_PEERS, _ours
 from peers.common import Session, digest_of, rss_kib, seeded_payload
+from rounds import run_rounds as _rounds
+from rounds import size_label
 
 KiB, MiB = 1 << 10, 1 << 20
 # size -> (timed rounds, warm-up rounds)
@@ -37,13 +38,6 @@ BIG = 64 * MiB
 def _our_segments() -> set[str]:
     prefixes = ("stbench_", "psm_", "torch_")  # segment_pread, multiprocessing.shared_memory, torch
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes)}
-
-
-def size_label(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return f"{nbytes}B"
 
 
 def _mb(kib: int | None) -> float | None:
@@ -68,14 +62,14 @@ def run(quick: bool) -> Report:
                 rss["idle_start"] = rss_kib(daemon.pid)
                 peers += OURS_PEERS
             except Exception:  # noqa: BLE001
-                report.notes.append("SKIPPED shm_put_hash, shm_put, shm_loan, lifecycles: the daemon did not "
+                report.notes.append(f"SKIPPED {', '.join(OURS_PEERS)}, lifecycles: the daemon did not "
                                     "start:\n" + traceback.format_exc(limit=4))
                 daemon = None
         else:
-            report.notes.append(f"SKIPPED shm_put_hash, shm_put, shm_loan, lifecycles: shmtransport client/daemon "
+            report.notes.append(f"SKIPPED {', '.join(OURS_PEERS)}, lifecycles: shmtransport client/daemon "
                                 f"not importable ({why_not}); their ratios are omitted")
         for name in peers:
-            options = {"socket_path": daemon.socket_path} if name in OURS_PEERS else {}
+            options = {"socket_path": daemon.socket_path, "daemon_pid": daemon.pid} if name in OURS_PEERS else {}
             try:
                 sessions[name] = Session(name, **options).start()
             except Exception:  # noqa: BLE001
@@ -136,30 +130,11 @@ def _measure_sizes(report: Report, sessions: dict[str, Session], plan, daemon, r
                 continue
             median = statistics.median(samples[name])
             extra = {"gbps": round(nbytes / median / 1e9, 3)} if name != "bare_rtt" else {"payload_nbytes": 0}
+            extra.update(live[name].usage.take(0 if name == "bare_rtt" else nbytes))
             report.add_row(name, samples[name], flags[name], size=size_label(nbytes), nbytes=nbytes, extra=extra)
         del payload
     if daemon is not None:
         rss["peak_transfers"] = peak[0]
-
-
-def _rounds(report, live, order, payload, nbytes, rounds, warmup, samples, flags, failed, between) -> None:
-    """Warm-up then timed rounds; each round runs every live peer once, the first peer rotating."""
-    for round_no in range(warmup + rounds):
-        shift = round_no % len(order) if order else 0
-        for name in order[shift:] + order[:shift]:
-            if name in failed:
-                continue
-            try:
-                seconds, ok = live[name].iteration(payload)
-            except Exception:  # noqa: BLE001
-                failed.add(name)
-                report.notes.append(f"ERROR {name} at {size_label(nbytes)}, round {round_no}; "
-                                    f"row omitted:\n" + traceback.format_exc(limit=6))
-                continue
-            if round_no >= warmup:
-                samples[name].append(seconds)
-                flags[name] = flags[name] and ok
-        between()  # untimed: e.g. sample the daemon's RSS (an object may still be held here)
 
 
 def _measure_rates(report: Report, sessions, daemon, quick: bool, rss) -> None:
@@ -223,6 +198,11 @@ def _ratios(report: Report, plan) -> None:
         put("loan_handoff_flatness", max(loan.values()) / min(loan.values()), "<= 1.5")
     put(f"mp_shared_memory_speedup_{tag}", div(med("mp_shared_memory", BIG), ours), ">= 3")
     put(f"segment_pread_speedup_{tag}", div(med("segment_pread", BIG), ours), ">= 3")
+    for peer in ("grpc_inline_tcp", "vllm_msgpack_inline", "dynamo_segment", "mp_shared_memory_reused",
+                 "torch_mp_queue", "pickle5_oob"):  # no targets: every peer against the default put path
+        put(f"{peer}_speedup_{tag}", div(med(peer, BIG), ours))
+    put(f"put_verify_over_put_{tag}", div(med("shm_put_verify", BIG), ours))  # the worker's verification
+    put(f"loan_verify_over_loan_{tag}", div(med("shm_loan_verify", BIG), med("shm_loan", BIG)))
     rates = {row["name"]: row for row in report.rows if row["name"] in ("lifecycles", "bare_rpc_rate")}
     if len(rates) == 2:
         put("lifecycles_per_s_over_bare_rpc_per_s",

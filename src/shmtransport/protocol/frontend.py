@@ -8,9 +8,15 @@ over those per-tensor digests, so nothing is hashed twice. Tensors already in sh
 Transport modes: ``"shm"`` (default; TensorData.shm handles), ``"inline"`` (TensorData.inline raw
 bytes) and ``"msgpack"`` (vLLM's kwargs MessagePack in ``kwargs_msgpack``; the only mode for the
 ``grpc-mm`` scheme). The inline modes keep vLLM's 64 items / 16 MiB limits.
+
+In ``"shm"`` mode small tensors still ride inline (``InlinePolicy``): a handoff through shared memory
+costs two control-plane round trips (Loan, Acquire) whatever the size, while inline bytes cost only
+their serialization in a message that is sent anyway. The defaults are the crossovers measured by
+``benchmarks/run.py scale`` (see benchmarks/README.md, "Where we gain nothing").
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,7 +35,28 @@ from .validate import check_modality_name, check_placeholders, check_uuid, limit
 
 MODES = ("shm", "inline", "msgpack")
 
-__all__ = ["BuiltRequest", "build_request", "request_from_envelope", "routing_metadata", "placeholder_to_proto",
+
+@dataclasses.dataclass(frozen=True)
+class InlinePolicy:
+    """Which tensors of a ``"shm"``-mode request travel as ``TensorData.inline`` bytes instead.
+
+    ``request_below_nbytes``: a request whose copied tensors total fewer bytes goes inline whole (no
+    Loan or Acquire round trip at all). ``tensor_below_nbytes``: in a request that uses shared memory
+    anyway, tensors this small ride inline (no allocation or lease each: ``image_grid_thw`` and the
+    like). Inline bytes stay within the limits' ``max_inline_items`` / ``max_inline_bytes``."""
+
+    request_below_nbytes: int = 64 << 10
+    tensor_below_nbytes: int = 4 << 10
+
+    def __post_init__(self) -> None:
+        if self.request_below_nbytes < 0 or self.tensor_below_nbytes < 0:
+            raise InvalidArgument(f"inline thresholds must be >= 0: {self}")
+
+
+DEFAULT_INLINE = InlinePolicy()
+NO_INLINE = InlinePolicy(0, 0)
+
+__all__ = ["BuiltRequest", "build_request", "InlinePolicy", "DEFAULT_INLINE", "NO_INLINE", "request_from_envelope", "routing_metadata", "placeholder_to_proto",
            "placeholder_to_json", "MODES"]
 
 
@@ -39,10 +66,12 @@ class BuiltRequest:
     Keep it until the worker has acquired (or the response stream ended), then ``release()``
     (or use it as a context manager); the worker's leases keep the bytes alive after that."""
 
-    def __init__(self, request: fpb.MultimodalRequest, producer: Producer | None, handles: list[Handle]):
+    def __init__(self, request: fpb.MultimodalRequest, producer: Producer | None, handles: list[Handle],
+                 inline_nbytes: int = 0):
         self.request = request
         self._producer = producer
         self.handles = handles
+        self.inline_nbytes = inline_nbytes  # tensor bytes carried in the message itself
 
     def release(self) -> None:
         if self.handles and self._producer is not None:
@@ -92,8 +121,11 @@ def _source(key: str, value: Any):
 
 def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, scheme: str = "xxh3-128",
                   adapter: str | None = None, prompt_len: int | None = None, mode: str = "shm",
-                  with_markers: bool = False, limits: Limits = DEFAULT_LIMITS) -> BuiltRequest:
+                  with_markers: bool = False, limits: Limits = DEFAULT_LIMITS,
+                  inline: InlinePolicy = DEFAULT_INLINE) -> BuiltRequest:
     """Typed request from items (grouped into one batch per modality, first-seen order).
+
+    ``inline`` (``"shm"`` mode): which small tensors travel inline instead (``InlinePolicy``).
 
     ``with_markers`` sets each item's routing marker; an item's own ``routing_marker`` / ``mm_hash``
     (from an envelope) is verified against the recomputed identity (IdentityMismatch)."""
@@ -122,27 +154,27 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
 
     # -- tensors: one put_many for the whole request (one Loan RPC, one copy per tensor) ------------
     sources: list[tuple[int, str, Any]] = []  # (item index, key, source tuple)
-    shm_index: dict[tuple[int, str], int] = {}
-    to_put = []
     total = 0
     for i, it in enumerate(items):
         if mode == "msgpack":
             continue
         for key in sorted(it.kwargs):
             value = it.kwargs[key]
-            if isinstance(value, Handle):
-                sources.append((i, key, value))
-                continue
-            src = _source(key, value)
-            total += src[1].nbytes
+            src = value if isinstance(value, Handle) else _source(key, value)
+            total += 0 if isinstance(value, Handle) else src[1].nbytes
             sources.append((i, key, src))
-            if mode == "shm":
-                shm_index[(i, key)] = len(to_put)
-                to_put.append(src[0])
     if mode == "inline" and total > limits.max_inline_bytes:
         raise limit_exceeded("max_inline_bytes", total, limits.max_inline_bytes)
-    if mode == "shm" and limits.max_shm_bytes is not None and total > limits.max_shm_bytes:
-        raise limit_exceeded("max_shm_bytes", total, limits.max_shm_bytes)
+    shm_index: dict[tuple[int, str], int] = {}
+    to_put = []
+    inline_nbytes = total
+    if mode == "shm":
+        for i, key, src in _to_shared_memory(sources, total, inline, limits):
+            shm_index[(i, key)] = len(to_put)
+            to_put.append(src[0])
+            inline_nbytes -= src[1].nbytes
+        if limits.max_shm_bytes is not None and total - inline_nbytes > limits.max_shm_bytes:
+            raise limit_exceeded("max_shm_bytes", total - inline_nbytes, limits.max_shm_bytes)
     put = producer.put_many(to_put, hash=scheme == "xxh3-128") if to_put else []
     try:
         request = _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode, with_markers, limits)
@@ -150,7 +182,28 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
         if put:
             producer.release(put)
         raise
-    return BuiltRequest(request, producer, put)
+    return BuiltRequest(request, producer, put, inline_nbytes)
+
+
+def _to_shared_memory(sources, total: int, inline: InlinePolicy, limits: Limits) -> list:
+    """The copied tensors of a ``"shm"`` request that go into shared memory; the rest ride inline
+    (smallest first, within the inline item and byte limits)."""
+    copied = [s for s in sources if not isinstance(s[2], Handle)]
+    referenced = len(copied) < len(sources)
+    if not referenced and total < inline.request_below_nbytes:
+        below = len(copied)  # the whole request inline: no round trip to the daemon
+    else:
+        below = sum(1 for s in copied if s[2][1].nbytes < inline.tensor_below_nbytes)
+    ranked = sorted(copied, key=lambda s: s[2][1].nbytes)
+    inline_items: set[int] = set()
+    nbytes = 0
+    for n, (i, _, src) in enumerate(ranked[:below]):
+        items_after = len(inline_items | {i})
+        if nbytes + src[1].nbytes > limits.max_inline_bytes or items_after > limits.max_inline_items:
+            return ranked[n:]
+        nbytes += src[1].nbytes
+        inline_items.add(i)
+    return ranked[below:]
 
 
 def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode, with_markers, limits):
@@ -170,7 +223,7 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
         else:
             _, flat, dtype, shape = src
             nbytes = flat.nbytes
-            if mode == "shm":
+            if (i, key) in shm_index:
                 h = put[shm_index[(i, key)]]
                 digest = h.digest if scheme == "xxh3-128" else tensor_digest(scheme, flat)
                 td = fpb.TensorData(shape=shape, dtype=dtype, shm=h.shm, digest=digest, commit_token=h.commit_token)
@@ -234,7 +287,7 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
 def request_from_envelope(producer: Producer | None, features: Any, *, prompt_len: int | None = None,
                           routing_markers: Sequence[str] | None = None, has_raw_media: bool = False,
                           scheme: str = "xxh3-128", adapter: str | None = None, mode: str = "shm",
-                          limits: Limits = DEFAULT_LIMITS) -> BuiltRequest:
+                          limits: Limits = DEFAULT_LIMITS, inline: InlinePolicy = DEFAULT_INLINE) -> BuiltRequest:
     """Decode + validate a ``vllm_tito.features`` envelope, then build the typed request (tensors
     copied once into shared memory with the identity fused)."""
     items = decode_envelope(features, prompt_len=prompt_len, routing_markers=routing_markers,
@@ -242,7 +295,7 @@ def request_from_envelope(producer: Producer | None, features: Any, *, prompt_le
     if not items:
         raise InvalidArgument("no preprocessed features")
     return build_request(producer, items, scheme=scheme, adapter=adapter, prompt_len=prompt_len, mode=mode,
-                         limits=limits)
+                         limits=limits, inline=inline)
 
 
 def routing_metadata(request: fpb.MultimodalRequest) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import numpy as np
 from ..client import Handle, Loan, Producer
 from ..errors import DeadlineExceeded, InvalidArgument, Reason, ShmTransportError, Unavailable, error_from_rpc
 from ..protocol.folding import fold
-from ..protocol.frontend import BuiltRequest, build_request
+from ..protocol.frontend import DEFAULT_INLINE, BuiltRequest, InlinePolicy, build_request
 from ..protocol.items import FeatureItem
 from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..v1 import generate_pb2 as gpb
@@ -125,12 +125,13 @@ def _set_controls(msg, values: dict[str, Any] | None) -> None:
 
 class Frontend:
     def __init__(self, address: str, producer: Producer | None = None, *, timeout_s: float = 60.0,
-                 limits: Limits = DEFAULT_LIMITS, scheme: str = "xxh3-128"):
+                 limits: Limits = DEFAULT_LIMITS, scheme: str = "xxh3-128", inline: InlinePolicy = DEFAULT_INLINE):
         self.address = address
         self.producer = producer
         self.timeout_s = timeout_s
         self.limits = limits
         self.scheme = scheme
+        self.inline = inline  # which small tensors of a shared-memory request ride in the message
         max_message = max(64 << 20, limits.max_inline_bytes + (8 << 20))
         self._channel = grpc.insecure_channel(address, options=grpc_options(max_message))
         self.stub = gpb_grpc.GeneratorStub(self._channel)
@@ -162,7 +163,8 @@ class Frontend:
             prompt = expand_prompt(text, [(it.modality, it.kwargs) for it in items])
             features = [FeatureItem(it.modality, it.kwargs, ph) for it, ph in zip(items, prompt.placeholders)]
             built = build_request(self.producer if mode == "shm" else None, features, scheme=self.scheme,
-                                  adapter=adapter, prompt_len=len(prompt.token_ids), mode=mode, limits=self.limits)
+                                  adapter=adapter, prompt_len=len(prompt.token_ids), mode=mode, limits=self.limits,
+                                  inline=self.inline)
         except BaseException:
             if owned and self.producer is not None:
                 self.producer.release(owned)
@@ -176,9 +178,12 @@ class Frontend:
             req.lora_name = adapter
         total = sum(it.nbytes for it in items)
         n_tensors = sum(len(it.kwargs) for it in items)
-        if mode == "shm":  # one put per tensor not written in place
-            copies, shm_bytes, inline_bytes = n_tensors - sum(len(it.owned) for it in items), total, 0
-            copied = total - sum(it.in_place for it in items)
+        if mode == "shm":  # one put per tensor not written in place; small ones ride inline
+            n_inline = sum(td.tensor.HasField("inline") for b in built.request.batches for it in b.items
+                           for td in it.kwargs.values())
+            copies = n_tensors - sum(len(it.owned) for it in items) + 2 * n_inline
+            shm_bytes, inline_bytes = total - built.inline_nbytes, built.inline_nbytes
+            copied = total - sum(it.in_place for it in items) + 2 * built.inline_nbytes
         else:  # tobytes + serialize + the worker's parse
             copies, shm_bytes, inline_bytes, copied = 3 * n_tensors, 0, total, 3 * total
         return Prepared(req, built, owned, mode, t_start, shm_bytes, inline_bytes, copies, copied)
