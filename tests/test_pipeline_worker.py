@@ -17,6 +17,7 @@ from shmtransport import testing
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask
 from shmtransport.errors import DeadlineExceeded, IdentityMismatch, InvalidArgument
+from shmtransport.protocol.frontend import DEFAULT_INLINE, NO_INLINE
 from shmtransport.protocol.limits import DEFAULT_LIMITS
 from shmtransport.render.frontend import Frontend, Item, WorkerUnavailable
 from shmtransport.render.media import synthetic_features
@@ -86,15 +87,20 @@ def kind_items(kind: str) -> list[Item]:
 
 @pytest.mark.parametrize("kind", ["image", "image-large", "multi-image", "video", "audio", "image+video"])
 def test_request_kind_shm_inline_parity(stack, fe, kind):
-    """Every kind: identical tokens for the same seed through shm and inline; identities verified."""
-    results = {}
-    for mode in ("shm", "inline"):
-        results[mode] = fe.generate(kind_items(kind), "what is this", mode=mode, sampling=SAMPLING,
-                                    stopping={"max_tokens": 6})
-    shm, inline = results["shm"], results["inline"]
-    assert shm.token_ids == inline.token_ids and len(shm.token_ids) >= 1
-    assert shm.identities == inline.identities and all(i.startswith("xxh3-128:") for i in shm.identities)
-    assert shm.shm_bytes > 0 and inline.inline_bytes == shm.shm_bytes + shm.inline_bytes  # grids ride inline
+    """Every kind: identical tokens for the same seed through shm only, the default inline policy and
+    inline; identities verified."""
+    run = lambda frontend, mode: frontend.generate(kind_items(kind), "what is this", mode=mode,  # noqa: E731
+                                                   sampling=SAMPLING, stopping={"max_tokens": 6})
+    with Frontend(stack.worker.address, fe.producer, timeout_s=TIMEOUT_S, limits=LIMITS,
+                  inline=NO_INLINE) as shm_only:
+        shm = run(shm_only, "shm")
+    policy, inline = run(fe, "shm"), run(fe, "inline")
+    assert shm.token_ids == policy.token_ids == inline.token_ids and len(shm.token_ids) >= 1
+    assert shm.identities == policy.identities == inline.identities
+    assert all(i.startswith("xxh3-128:") for i in shm.identities)
+    assert shm.inline_bytes == 0 and inline.inline_bytes == shm.shm_bytes == policy.shm_bytes + policy.inline_bytes
+    whole_inline = shm.shm_bytes < DEFAULT_INLINE.request_below_nbytes
+    assert (policy.shm_bytes == 0) == whole_inline
     assert shm.timing["released"] >= shm.timing["encoded"] >= shm.timing["on_device"]
     assert stack.settled()
 

@@ -261,7 +261,8 @@ def _print_table(results: dict[tuple[str, str], list]) -> bool:
         same_id = all(a.identities == b.identities for a, b in zip(shm, inline))
         ok &= parity and same_id
         copies = f"{shm[0].copied_bytes / 2**20:.1f}/{inline[0].copied_bytes / 2**20:.0f}"
-        print(f"{kind.name:<16} {shm[0].shm_bytes / 2**20:6.1f} {statistics.median(h) * ms:9.2f}ms "
+        nbytes = shm[0].shm_bytes + shm[0].inline_bytes
+        print(f"{kind.name:<16} {nbytes / 2**20:6.1f} {statistics.median(h) * ms:9.2f}ms "
               f"{statistics.median(e) * ms:6.1f}ms {_p(e, 99) * ms:6.1f}ms {statistics.median(hi) * ms:12.2f}ms "
               f"{statistics.median(ei) * ms:8.1f}ms {statistics.median(hi) / statistics.median(h):7.1f}x "
               f"{copies:>11} {'same' if parity else 'DIFF':>7}  {'verified' if same_id else 'MISMATCH'}")
@@ -269,7 +270,9 @@ def _print_table(results: dict[tuple[str, str], list]) -> bool:
           " merge at is_embed and 8 sampled tokens streamed back; speedup: inline handoff / shm handoff;\n"
           " copied MiB: host copies of tensor bytes after rendering, shm/inline — shm: 0 for pixel patches the\n"
           " renderer wrote in place into loans (the digest is computed from shared memory at commit), one copy\n"
-          " with the digest fused for the rest (audio features, grids); inline: tobytes + serialize + parse;\n"
+          " with the digest fused for the rest; tensors of 4 KiB or less (grids) and requests under 1 MiB (audio)\n"
+          " ride inline on the shm path too (InlinePolicy: below the measured crossover inline is faster);\n"
+          " inline: tobytes + serialize + parse;\n"
           " tokens: shm vs inline with the same seed; identity: the worker recomputed every item identity\n"
           " from the payload, equal on both paths)")
     return ok

@@ -45,7 +45,11 @@ class InlinePolicy:
     anyway, tensors this small ride inline (no allocation or lease each: ``image_grid_thw`` and the
     like). Inline bytes stay within the limits' ``max_inline_items`` / ``max_inline_bytes``."""
 
-    request_below_nbytes: int = 64 << 10
+    # measured (benchmarks/results/scale.json): a 4 KiB-1 MiB handoff costs ~2 ms here whatever the
+    # size; inline gRPC bytes overtake it at 1.06 MiB (alone) / 1.43 MiB (added to a request)
+    request_below_nbytes: int = 1 << 20
+    # inside a batched put no latency difference is measurable up to 256 KiB; one page or less rides
+    # inline to save its allocation and lease
     tensor_below_nbytes: int = 4 << 10
 
     def __post_init__(self) -> None:
