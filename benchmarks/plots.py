@@ -60,10 +60,13 @@ def fmt_seconds(value: float, _pos: Any = None) -> str:
 
 
 COLORS = {  # one colour per peer in every plot; anything else takes the next of the default cycle
-    "grpc_inline": "tab:blue", "grpc_inline_tcp": "tab:cyan", "mp_shared_memory": "tab:orange",
-    "segment_pread": "tab:green", "torch_mp_queue": "tab:pink", "shm_put_hash": "tab:purple",
-    "shm_put": "tab:olive", "shm_loan": "tab:red", "lifecycles_shm": "tab:red",
-    "lifecycles_grpc_inline": "tab:blue", "nixl_remote_read": "tab:red",
+    "grpc_inline": "tab:blue", "grpc_inline_tcp": "tab:cyan", "vllm_msgpack_inline": "tab:brown",
+    "mp_shared_memory": "tab:orange", "mp_shared_memory_reused": "gold",
+    "segment_pread": "tab:green", "dynamo_segment": "yellowgreen",
+    "torch_mp_queue": "tab:pink", "pickle5_oob": "tab:gray",
+    "shm_put_hash": "tab:purple", "shm_put": "tab:olive", "shm_loan": "tab:red",
+    "shm_put_verify": "indigo", "shm_loan_verify": "darkred",
+    "lifecycles_shm": "tab:red", "lifecycles_grpc_inline": "tab:blue", "nixl_remote_read": "tab:red",
 }
 MARK_COLOR = "teal"
 
@@ -74,8 +77,8 @@ def _style(name: str) -> dict[str, Any]:
     if name in CONTROL_FLOORS:
         return {"linestyle": ":", "color": "dimgray", "linewidth": 2.0, "marker": None}
     bold = name.startswith(OURS_PREFIXES)
-    style = {"linestyle": "-", "linewidth": 2.4 if bold else 1.5, "marker": "o" if bold else ".",
-             "markersize": 5 if bold else 6}
+    style = {"linestyle": "-." if name.endswith("_verify") else "-", "linewidth": 2.4 if bold else 1.5,
+             "marker": "o" if bold else ".", "markersize": 5 if bold else 6}
     if name in COLORS:
         style["color"] = COLORS[name]
     return style
