@@ -27,28 +27,25 @@ DPI = 110
 
 # -- formatting --------------------------------------------------------------------------------------
 
-def fmt_bytes(value: float, _pos: Any = None) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if value >= scale:
-            v = value / scale
-            return f"{v:.0f} {unit}" if abs(v - round(v)) < 0.05 else f"{v:.1f} {unit}"
-    return f"{value:.0f} B"
-
-
-def fmt_count(value: float, _pos: Any = None) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+def _scaled(value: float, units: tuple[tuple[str, float], ...], smallest: str) -> str:
+    """``value`` in the largest unit it reaches, whole when it is nearly so (axis tick labels)."""
+    for unit, scale in units:
         if value >= scale:
             v = value / scale
             return f"{v:.0f}{unit}" if abs(v - round(v)) < 0.05 else f"{v:.1f}{unit}"
-    return f"{value:g}"
+    return f"{value:g}{smallest}"
+
+
+def fmt_bytes(value: float, _pos: Any = None) -> str:
+    return _scaled(value, ((" GiB", GiB), (" MiB", MiB), (" KiB", KiB)), " B")
+
+
+def fmt_count(value: float, _pos: Any = None) -> str:
+    return _scaled(value, (("G", 1e9), ("M", 1e6), ("k", 1e3)), "")
 
 
 def fmt_bits(value: float, _pos: Any = None) -> str:
-    for unit, scale in (("Gi", GiB), ("Mi", MiB), ("Ki", KiB)):
-        if value >= scale:
-            v = value / scale
-            return f"{v:.0f} {unit}" if abs(v - round(v)) < 0.05 else f"{v:.1f} {unit}"
-    return f"{value:.0f}"
+    return _scaled(value, ((" Gi", GiB), (" Mi", MiB), (" Ki", KiB)), "")
 
 
 def fmt_seconds(value: float, _pos: Any = None) -> str:

@@ -6,6 +6,7 @@ no peer always runs right after the same neighbour. Warm-up rounds are run and t
 from __future__ import annotations
 
 import gc
+import statistics
 import traceback
 from collections.abc import Callable
 
@@ -64,3 +65,22 @@ def measure_size(report, sessions: dict, payload, digest: int, nbytes: int, roun
     finally:
         gc.enable()
     return {name: (samples[name], flags[name]) for name in order if name not in failed and samples[name]}
+
+
+def add_size_row(report, session, name: str, samples: list[float], ok: bool, nbytes: int, **extra) -> None:
+    """One peer at one size: latency, throughput and the session's resource use over the timed rounds."""
+    payload = name != "bare_rtt"  # the bare round trip moves no payload
+    extra["gbps" if payload else "payload_nbytes"] = round(nbytes / statistics.median(samples) / 1e9, 4) if payload else 0
+    extra.update(session.usage.take(nbytes if payload else 0))
+    report.add_row(name, samples, ok, size=size_label(nbytes), nbytes=nbytes, extra=extra)
+
+
+def close_sessions(report, sessions: dict, daemon=None) -> None:
+    """Close every session (a failure becomes a note), then the daemon."""
+    for session in sessions.values():
+        try:
+            session.close()
+        except Exception:  # noqa: BLE001
+            report.notes.append(f"ERROR closing {session.peer_name}:\n" + traceback.format_exc(limit=4))
+    if daemon is not None:
+        daemon.stop()

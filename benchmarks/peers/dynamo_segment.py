@@ -9,16 +9,14 @@ response completes. Plain ``/dev/shm`` files: nothing is registered with a resou
 """
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
-import secrets
 
 import numpy as np
 
+from ._segments import FreshSegments, open_segment
 from .common import ConsumerBase, ProducerBase
 
-SHM_DIR = "/dev/shm"
 PREFIX = "stbench_dyn_"
 
 
@@ -27,15 +25,11 @@ class Producer(ProducerBase):
 
     def __init__(self, workdir: str, **options):
         super().__init__(workdir, **options)
-        self._tag = f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}_"
-        self._seq = itertools.count()
+        self._segments = FreshSegments(PREFIX)
         self._last: str | None = None
 
     def transfer(self, payload: np.ndarray) -> float:
-        name = f"{self._tag}{next(self._seq)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        self._last = path
+        name, self._last, fd = self._segments.create()
         try:
             os.ftruncate(fd, payload.nbytes)
             with mmap.mmap(fd, payload.nbytes) as mm:
@@ -62,9 +56,7 @@ class Producer(ProducerBase):
 class Consumer(ConsumerBase):
     def receive(self, descriptor) -> np.ndarray:
         name, nbytes = descriptor
-        if "/" in name or not name.startswith(PREFIX):
-            raise ValueError(f"refusing segment name {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+        _, fd = open_segment(name, PREFIX)
         try:
             with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as mm:
                 src = np.frombuffer(mm, dtype=np.uint8)

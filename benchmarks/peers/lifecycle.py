@@ -34,6 +34,32 @@ def _batch(obj, name: str):
     return getattr(obj, name, None)
 
 
+def _run_for(duration_s: float, lifecycle) -> tuple[list[float], bool, float]:
+    """``lifecycle()`` (returns the receiver's flag) back to back for ``duration_s``: the samples,
+    the AND of the flags and the elapsed time."""
+    samples: list[float] = []
+    ok = True
+    start = time.perf_counter()
+    deadline = start + duration_s
+    while True:
+        t0 = time.perf_counter()
+        ok = lifecycle() and ok
+        t1 = time.perf_counter()
+        samples.append(t1 - t0)
+        if t1 >= deadline:
+            return samples, ok, time.perf_counter() - start
+
+
+def _send_failure(ctl, peer=None) -> None:
+    """From an ``except`` block: the traceback to the orchestrator, and stop the pair's consumer."""
+    try:
+        ctl.send(("error", traceback.format_exc()))
+        if peer is not None:
+            peer.send(("stop",))
+    except Exception:  # noqa: BLE001, S110 — the parent may be gone already
+        pass
+
+
 def _producer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
     client = None
     try:
@@ -44,33 +70,22 @@ def _producer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed:
             put_many = functools.partial(put_many, hash=True)
         ctl.send(("ready", os.getpid()))
         _, duration_s = wait_reply(ctl, START_TIMEOUT_S, "lifecycle orchestrator")
-        samples: list[float] = []
-        ok = True
-        start = time.perf_counter()
-        deadline = start + duration_s
-        while True:
-            t0 = time.perf_counter()
+
+        def lifecycle() -> bool:
             handles = list(put_many(arrays)) if put_many else [client.put(a, hash=True) for a in arrays]
             peer.send(("xfer", [h.to_bytes() for h in handles]))
             _, flag = wait_reply(peer, REPLY_TIMEOUT_S, "lifecycle consumer")
-            ok = ok and flag
             if release_many:
                 release_many(handles)
             else:
                 client.release(handles)  # Producer.release takes one handle or an iterable: one RPC
-            t1 = time.perf_counter()
-            samples.append(t1 - t0)
-            if t1 >= deadline:
-                break
-        elapsed = time.perf_counter() - start
+            return flag
+
+        samples, ok, elapsed = _run_for(duration_s, lifecycle)
         peer.send(("stop",))
         ctl.send(("result", samples, ok, elapsed, bool(put_many), bool(release_many)))
     except BaseException:  # noqa: BLE001
-        try:
-            ctl.send(("error", traceback.format_exc()))
-            peer.send(("stop",))
-        except Exception:  # noqa: BLE001, S110 — the parent may be gone already
-            pass
+        _send_failure(ctl, peer)
     finally:
         if client is not None:
             client.close()
@@ -110,10 +125,7 @@ def _consumer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed:
             peer.send(("ack", ok))
         ctl.send(("done", bool(acquire_many), bool(release_many)))
     except BaseException:  # noqa: BLE001
-        try:
-            ctl.send(("error", traceback.format_exc()))
-        except Exception:  # noqa: BLE001, S110 — the parent may be gone already
-            pass
+        _send_failure(ctl)
     finally:
         if client is not None:
             client.close()
@@ -226,27 +238,11 @@ def _grpc_producer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, 
         channel = grpc.insecure_channel(f"unix:{socket_path}", options=OPTIONS)
         grpc.channel_ready_future(channel).result(timeout=START_TIMEOUT_S)
         call = channel.unary_unary(f"/{SERVICE}/Call")  # raw bytes both ways
-        samples: list[float] = []
-        ok = True
-        start = time.perf_counter()
-        deadline = start + duration_s
-        while True:
-            t0 = time.perf_counter()
-            reply = call(b"".join(arrays), timeout=REPLY_TIMEOUT_S)
-            t1 = time.perf_counter()
-            ok = ok and reply == b"\x01"
-            samples.append(t1 - t0)
-            if t1 >= deadline:
-                break
-        elapsed = time.perf_counter() - start
+        samples, ok, elapsed = _run_for(duration_s, lambda: call(b"".join(arrays), timeout=REPLY_TIMEOUT_S) == b"\x01")
         peer.send(("stop",))
         ctl.send(("result", samples, ok, elapsed, False, False))
     except BaseException:  # noqa: BLE001
-        try:
-            ctl.send(("error", traceback.format_exc()))
-            peer.send(("stop",))
-        except Exception:  # noqa: BLE001, S110 — the parent may be gone already
-            pass
+        _send_failure(ctl, peer)
     finally:
         if channel is not None:
             channel.close()
@@ -287,10 +283,7 @@ def _grpc_consumer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, 
         peer.recv()  # ("stop",)
         ctl.send(("done", False, False))
     except BaseException:  # noqa: BLE001
-        try:
-            ctl.send(("error", traceback.format_exc()))
-        except Exception:  # noqa: BLE001, S110 — the parent may be gone already
-            pass
+        _send_failure(ctl)
     finally:
         if server is not None:
             server.stop(grace=1.0).wait(5.0)

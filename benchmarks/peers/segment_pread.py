@@ -8,15 +8,13 @@ inside consume).
 """
 from __future__ import annotations
 
-import itertools
 import os
-import secrets
 
 import numpy as np
 
+from ._segments import FreshSegments, open_segment
 from .common import ConsumerBase, ProducerBase
 
-SHM_DIR = "/dev/shm"
 PREFIX = "stbench_seg_"
 
 
@@ -31,15 +29,11 @@ class Producer(ProducerBase):
 
     def __init__(self, workdir: str, **options):
         super().__init__(workdir, **options)
-        self._tag = f"{PREFIX}{os.getpid()}_{secrets.token_hex(4)}_"
-        self._seq = itertools.count()
+        self._segments = FreshSegments(PREFIX)
         self._last: str | None = None
 
     def transfer(self, payload: np.ndarray) -> float:
-        name = f"{self._tag}{next(self._seq)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        self._last = path
+        name, self._last, fd = self._segments.create()
         try:
             os.posix_fallocate(fd, 0, payload.nbytes)
             _write_all(fd, memoryview(payload).cast("B"))
@@ -67,10 +61,7 @@ class Consumer(ConsumerBase):
 
     def receive(self, descriptor) -> np.ndarray:
         name, nbytes = descriptor
-        if "/" in name or not name.startswith(PREFIX):
-            raise ValueError(f"refusing segment name {name!r}")
-        self._path = os.path.join(SHM_DIR, name)
-        fd = os.open(self._path, os.O_RDONLY)
+        self._path, fd = open_segment(name, PREFIX)
         try:
             chunks = []
             got = 0

@@ -42,7 +42,7 @@ import xxhash
 from harness import Report
 from peers import _ours
 from peers.common import Session, digest_of, rss_kib, verify
-from rounds import GiB, KiB, MiB, measure_size, size_label
+from rounds import GiB, KiB, MiB, add_size_row, close_sessions, measure_size, size_label
 
 SEED = 20251201
 
@@ -160,21 +160,10 @@ def latency_vs_size(report: Report, sizes: dict[int, tuple[int, int]], workdir: 
             results = measure_size(report, sessions, data, digest_of(data), nbytes, rounds, warmup)
             del data
             for name, (samples, ok) in results.items():
-                median = statistics.median(samples)
-                extra = {"curve": "latency_vs_size"}
-                if name != "bare_rtt":
-                    extra["gbps"] = round(nbytes / median / 1e9, 4)
-                extra.update(sessions[name].usage.take(0 if name == "bare_rtt" else nbytes))
-                report.add_row(name, samples, ok, size=size_label(nbytes), nbytes=nbytes, extra=extra)
+                add_size_row(report, sessions[name], name, samples, ok, nbytes, curve="latency_vs_size")
             gc.collect()
     finally:
-        for session in sessions.values():
-            try:
-                session.close()
-            except Exception:  # noqa: BLE001
-                report.notes.append(f"ERROR closing {session.peer_name}:\n" + traceback.format_exc(limit=4))
-        if daemon is not None:
-            daemon.stop()
+        close_sessions(report, sessions, daemon)
     names = [n for n in peers if any(r["name"] == n and r.get("curve") == "latency_vs_size" for r in report.rows)]
     for name in names:
         xs, ys = _series(report, "latency_vs_size", name, "nbytes")

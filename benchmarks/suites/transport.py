@@ -11,10 +11,8 @@ are in ``benchmarks/peers/<peer>.py``; the harness is ``benchmarks/peers/common.
 """
 from __future__ import annotations
 
-import gc
 import os
 import shutil
-import statistics
 import tempfile
 import time
 import traceback
@@ -22,8 +20,7 @@ import traceback
 from harness import Report
 from peers import BASELINE_PEERS, OURS_PEERS, _ours
 from peers.common import Session, digest_of, rss_kib, seeded_payload
-from rounds import run_rounds as _rounds
-from rounds import size_label
+from rounds import add_size_row, close_sessions, measure_size, size_label
 
 KiB, MiB = 1 << 10, 1 << 20
 # size -> (timed rounds, warm-up rounds)
@@ -82,13 +79,7 @@ def run(quick: bool) -> Report:
             rss["idle_end"] = rss_kib(daemon.pid)
             _rss_note(report, rss)
     finally:
-        for session in sessions.values():
-            try:
-                session.close()
-            except Exception:  # noqa: BLE001
-                report.notes.append(f"ERROR closing {session.peer_name}:\n" + traceback.format_exc(limit=4))
-        if daemon is not None:
-            daemon.stop()
+        close_sessions(report, sessions, daemon)
         shutil.rmtree(workdir, ignore_errors=True)
     leaked = _our_segments() - shm_before
     if leaked:
@@ -107,31 +98,9 @@ def _measure_sizes(report: Report, sessions: dict[str, Session], plan, daemon, r
 
     for nbytes, (rounds, warmup) in plan.items():
         payload = seeded_payload(nbytes)
-        digest = digest_of(payload)
-        live = {}
-        for name, session in sessions.items():
-            try:
-                session.prepare(nbytes, digest)
-                live[name] = session
-            except Exception:  # noqa: BLE001
-                report.notes.append(f"ERROR {name} setup at {size_label(nbytes)}:\n" + traceback.format_exc(limit=6))
-        samples: dict[str, list[float]] = {name: [] for name in live}
-        flags: dict[str, bool] = {name: True for name in live}
-        failed: set[str] = set()
-        order = list(live)
-        gc.collect()
-        gc.disable()  # as timeit does: no collector pauses inside a timed span
-        try:
-            _rounds(report, live, order, payload, nbytes, rounds, warmup, samples, flags, failed, sample_rss)
-        finally:
-            gc.enable()
-        for name in order:
-            if name in failed or not samples[name]:
-                continue
-            median = statistics.median(samples[name])
-            extra = {"gbps": round(nbytes / median / 1e9, 3)} if name != "bare_rtt" else {"payload_nbytes": 0}
-            extra.update(live[name].usage.take(0 if name == "bare_rtt" else nbytes))
-            report.add_row(name, samples[name], flags[name], size=size_label(nbytes), nbytes=nbytes, extra=extra)
+        results = measure_size(report, sessions, payload, digest_of(payload), nbytes, rounds, warmup, sample_rss)
+        for name, (samples, ok) in results.items():
+            add_size_row(report, sessions[name], name, samples, ok, nbytes)
         del payload
     if daemon is not None:
         rss["peak_transfers"] = peak[0]
