@@ -708,3 +708,27 @@ def test_acquires_waiting_for_a_missing_commit_do_not_stall_other_clients(make_d
         del loan
         assert errors == [Reason.WRONG_STATE] * len(threads)
         assert stat_s < 0.5, f"an unrelated Stat took {stat_s:.2f} s behind acquires waiting for a commit"
+
+
+def test_a_commit_by_handoff_wakes_acquires_waiting_for_that_loan(make_daemon):
+    daemon = make_daemon(commit_wait_s=5.0)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
+        daemon.socket_path, timeout_s=TIMEOUT_S
+    ) as waiting, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as holder:
+        loan = producer.loan(4096)
+        done = []
+
+        def acquire_without_token():
+            with waiting.acquire(loan.handle):  # no commit token: waits for someone to commit
+                done.append(time.monotonic())
+
+        t = threading.Thread(target=acquire_without_token)
+        t.start()
+        time.sleep(0.3)  # let the acquire reach the daemon and start waiting
+        handle = loan.commit()  # commit by handoff: the token travels with the handle, no RPC
+        committed_at = time.monotonic()
+        with holder.acquire(handle):
+            t.join(TIMEOUT_S)
+        assert done and done[0] - committed_at < 1.0, "the waiting acquire slept through the handoff commit"
+        producer.release(handle)
+        del loan

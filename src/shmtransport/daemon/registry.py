@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import heapq
 import hmac
+import itertools
 import secrets
 import threading
 import time
@@ -52,9 +53,18 @@ class Session:
     session_id: str
     pid: int
     uid: int
-    owned_nbytes: int = 0  # bytes of allocations this session still holds a producer reference to
+    # Bytes of the allocations this session holds a producer reference to, by their state. Kept
+    # at every transition (loan, commit, release, reclaim) so that Stat and the quota check cost
+    # O(1) per session instead of a walk over its objects under the registry lock.
+    loaned_nbytes: int = 0
+    committed_nbytes: int = 0
     producer_refs: set[int] = dataclasses.field(default_factory=set)  # offsets
     leases: set[int] = dataclasses.field(default_factory=set)  # lease ids
+
+    @property
+    def owned_nbytes(self) -> int:
+        """Bytes counted against this session's quota: every allocation it holds a reference to."""
+        return self.loaned_nbytes + self.committed_nbytes
 
 
 @dataclasses.dataclass
@@ -144,7 +154,7 @@ class Registry:
                 self.counters["reclaimed_death_nbytes"] += self._drop_producer_ref(self._objects[offset], session)
 
     # -- producer side ---------------------------------------------------------------------------
-    def loan(self, session_id: str, sizes: Iterable[int], wait_s: float = 0.0) -> tuple[list[pb.Handle], list[bytes]]:
+    def loan(self, session_id: str, sizes: Iterable[int], wait_s: float = 0.0) -> pb.LoanResponse:
         """Allocate every size (all or nothing). When the arena is full, wait up to ``wait_s`` for
         other clients to free space (back-pressure) before refusing with ARENA_FULL."""
         sizes = list(sizes)
@@ -171,21 +181,15 @@ class Registry:
                         self.counters["allocation_failures"] += 1
                         raise
                     self._freed.wait(remaining)
-            now = time.monotonic()
-            handles, tokens = [], []
+            response = pb.LoanResponse()
             for offset, nbytes in zip(offsets, sizes):
                 obj = Allocation(offset, nbytes, self._next_generation, session_id, commit_token=secrets.token_bytes(16))
                 self._next_generation += 1
-                self._objects[offset] = obj
-                session.producer_refs.add(offset)
-                session.owned_nbytes += nbytes
-                self._note_allocation(now)
-                handles.append(self._handle(obj))
-                tokens.append(obj.commit_token)
-            self.counters["allocations_total"] += len(sizes)
-            return handles, tokens
+                self._add_loan(session, obj, response)
+            self._note_allocations(len(sizes))
+            return response
 
-    def loan_dedicated(self, session_id: str, sizes: Iterable[int]) -> tuple[list[pb.Handle], list[bytes]]:
+    def loan_dedicated(self, session_id: str, sizes: Iterable[int]) -> pb.LoanResponse:
         """One new segment ``{prefix}-{instance}-obj{generation}`` per size (all or nothing). The
         segments are created outside the lock; the quota is checked before and after."""
         sizes = list(sizes)
@@ -207,21 +211,15 @@ class Registry:
             with self._lock:
                 session = self._live_session(session_id)
                 self._check_quota(session, total)
-                now = time.monotonic()
-                handles, tokens = [], []
+                response = pb.LoanResponse()
                 for i, (nbytes, seg) in enumerate(zip(sizes, segments)):
                     gen = first + i
                     obj = Allocation(-gen, nbytes, gen, session_id, commit_token=secrets.token_bytes(16), segment=seg)
-                    self._objects[-gen] = obj
                     self._dedicated[seg.name] = -gen
-                    session.producer_refs.add(-gen)
-                    session.owned_nbytes += nbytes
-                    self._note_allocation(now)
-                    handles.append(self._handle(obj))
-                    tokens.append(obj.commit_token)
-                self.counters["allocations_total"] += len(sizes)
+                    self._add_loan(session, obj, response)
+                self._note_allocations(len(sizes))
                 self.counters["dedicated_total"] += len(sizes)
-                return handles, tokens
+                return response
         except BaseException:
             for seg in segments:
                 seg.unlink()
@@ -265,7 +263,7 @@ class Registry:
                 raise InvalidArgument("the same handle appears twice in one commit")
             until = time.monotonic() + hold_ms / 1000 if hold_ms else 0.0
             for obj in objs:
-                obj.state = ObjState.COMMITTED
+                self._mark_committed(obj)
                 if until:
                     obj.hold_until = until
                     heapq.heappush(self._deadlines, (until, 0, obj.offset))
@@ -292,21 +290,7 @@ class Registry:
             raise InvalidArgument(f"ttl_ms={ttl_ms} exceeds the maximum {self.limits.max_lease_ttl_ms}")
         with self._lock:
             session = self._live_session(session_id)
-            deadline = time.monotonic() + commit_wait_s
-            while True:
-                objs = [self._resolve(h) for h in handles]
-                for obj, token in zip(objs, commit_tokens):
-                    if token and obj.state is ObjState.LOANED:
-                        if not hmac.compare_digest(token, obj.commit_token):
-                            raise HandleError(f"commit token does not match the loan at offset {obj.offset}")
-                        obj.state = ObjState.COMMITTED
-                pending = [obj for obj in objs if obj.state is not ObjState.COMMITTED]
-                remaining = deadline - time.monotonic()
-                if not pending:
-                    break
-                if remaining <= 0:
-                    raise StateError(f"object at offset {pending[0].offset} is not committed")
-                self._committed.wait(remaining)
+            objs = self._wait_committed(handles, commit_tokens, commit_wait_s)
             if len(session.leases) + len(objs) > self.limits.quota_leases:
                 raise ResourceExhausted(
                     f"lease quota exceeded: session holds {len(session.leases)} leases, "
@@ -324,6 +308,33 @@ class Registry:
                 heapq.heappush(self._deadlines, (expires_at, 1, lease.lease_id))
                 lease_ids.append(lease.lease_id)
             return lease_ids
+
+    def _wait_committed(
+        self, handles: list[pb.Handle], commit_tokens: Sequence[bytes], commit_wait_s: float
+    ) -> list[Allocation]:
+        """The allocations the handles name, once all are committed: by their token here, or by
+        their producer's Commit within ``commit_wait_s`` (lock held, released while waiting)."""
+        deadline = None  # the clock is read only when a commit is still missing
+        while True:
+            objs = [self._resolve(h) for h in handles]
+            handed_off = False
+            for obj, token in zip(objs, commit_tokens):
+                if token and obj.state is ObjState.LOANED:
+                    if not hmac.compare_digest(token, obj.commit_token):
+                        raise HandleError(f"commit token does not match the loan at offset {obj.offset}")
+                    self._mark_committed(obj)
+                    handed_off = True
+            if handed_off:  # acquires of the same loan without its token wait for this commit too
+                self._committed.notify_all()
+            pending = next((obj for obj in objs if obj.state is not ObjState.COMMITTED), None)
+            if pending is None:
+                return objs
+            if deadline is None:
+                deadline = time.monotonic() + commit_wait_s
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StateError(f"object at offset {pending.offset} is not committed")
+            self._committed.wait(remaining)
 
     # -- both ------------------------------------------------------------------------------------
     def release(
@@ -367,13 +378,11 @@ class Registry:
     def _still_held(
         self, session: Session, handles: list[pb.Handle], lease_ids: list[int]
     ) -> tuple[list[pb.Handle], list[int]]:
-        held = [
-            h
-            for h in handles
-            if h.instance_id == self.instance_id
-            and self._key(h) in session.producer_refs
-            and self._objects[self._key(h)].generation == h.generation
-        ]
+        held = []
+        for h in handles:
+            key = self._key(h) if h.instance_id == self.instance_id else None
+            if key in session.producer_refs and self._objects[key].generation == h.generation:
+                held.append(h)
         return held, [lease_id for lease_id in lease_ids if lease_id in session.leases]
 
     def expire(self, now: float | None = None) -> None:
@@ -407,22 +416,15 @@ class Registry:
     # -- introspection ---------------------------------------------------------------------------
     def stat(self) -> pb.StatResponse:
         with self._lock:
-            now = time.monotonic()
-            self._note_allocation(now, count=0)
+            self._prune_rate_window(time.monotonic())
             recent = len(self._alloc_times)
             clients = [
                 pb.ClientStat(
                     session_id=s.session_id,
                     pid=s.pid,
                     uid=s.uid,
-                    loaned_nbytes=sum(
-                        self._objects[o].nbytes for o in s.producer_refs if self._objects[o].state is ObjState.LOANED
-                    ),
-                    committed_nbytes=sum(
-                        self._objects[o].nbytes
-                        for o in s.producer_refs
-                        if self._objects[o].state is ObjState.COMMITTED
-                    ),
+                    loaned_nbytes=s.loaned_nbytes,
+                    committed_nbytes=s.committed_nbytes,
                     leases=len(s.leases),
                 )
                 for s in self._sessions.values()
@@ -448,9 +450,15 @@ class Registry:
             )
 
     # -- internals (lock held) -------------------------------------------------------------------
-    def _note_allocation(self, now: float, count: int = 1) -> None:
+    def _note_allocations(self, count: int) -> None:
+        """Count ``count`` allocations made now: in the total, and in the window of allocations_per_s."""
+        now = time.monotonic()
+        self._alloc_times.extend(itertools.repeat(now, count))
+        self._prune_rate_window(now)
+        self.counters["allocations_total"] += count
+
+    def _prune_rate_window(self, now: float) -> None:
         times = self._alloc_times
-        times.extend([now] * count)
         while times and now - times[0] > _RATE_WINDOW_S:
             times.popleft()
 
@@ -472,18 +480,28 @@ class Registry:
             return h.offset
         return self._dedicated.get(h.name)
 
-    def _handle(self, obj: Allocation) -> pb.Handle:
+    def _add_loan(self, session: Session, obj: Allocation, response: pb.LoanResponse) -> None:
+        """Register a new allocation as ``session``'s loan and name it in ``response``."""
+        self._objects[obj.offset] = obj
+        session.producer_refs.add(obj.offset)
+        session.loaned_nbytes += obj.nbytes
+        # Built in place in the response: a Handle built first would be copied into it again.
         if obj.segment is not None:
-            return pb.Handle(name=obj.segment.name, offset=0, nbytes=obj.nbytes, owner_id=obj.owner,
+            name, offset = obj.segment.name, 0
+        else:
+            name, offset = self.segment_name, obj.offset
+        response.handles.add(name=name, offset=offset, nbytes=obj.nbytes, owner_id=obj.owner,
                              generation=obj.generation, instance_id=self.instance_id)
-        return pb.Handle(
-            name=self.segment_name,
-            offset=obj.offset,
-            nbytes=obj.nbytes,
-            owner_id=obj.owner,
-            generation=obj.generation,
-            instance_id=self.instance_id,
-        )
+        response.commit_tokens.append(obj.commit_token)
+
+    def _mark_committed(self, obj: Allocation) -> None:
+        obj.state = ObjState.COMMITTED
+        # The producer's reference now counts as committed bytes (by Commit, or by handoff in a
+        # consumer's Acquire: then the producer is another session than the caller).
+        owner = self._sessions.get(obj.owner) if obj.producer_ref else None
+        if owner is not None:
+            owner.loaned_nbytes -= obj.nbytes
+            owner.committed_nbytes += obj.nbytes
 
     def _resolve(self, h: pb.Handle) -> Allocation:
         """The live allocation a handle names, or a typed refusal. Never trusts any field alone."""
@@ -534,7 +552,10 @@ class Registry:
         obj.producer_ref = False
         if session is not None:
             session.producer_refs.discard(obj.offset)
-            session.owned_nbytes -= obj.nbytes
+            if obj.state is ObjState.LOANED:
+                session.loaned_nbytes -= obj.nbytes
+            else:
+                session.committed_nbytes -= obj.nbytes
         return self._maybe_free(obj)
 
     def _drop_lease(self, lease: Lease, session: Session | None) -> int:

@@ -7,6 +7,7 @@ import functools
 import grp
 import logging
 import os
+import queue
 import threading
 from typing import Callable, Sequence
 
@@ -62,15 +63,25 @@ class _Servicer(pb_grpc.DaemonServicer):
         self._registry = daemon.registry
         # Waiting calls park a worker thread; at most half the pool may wait, so the other half
         # always serves everyone else (no head-of-line blocking). Past that, waits fail fast.
-        self._wait_slots = threading.BoundedSemaphore(max(1, daemon.config.grpc_workers // 2))
+        # A pool of tokens rather than a BoundedSemaphore: every Loan and Acquire takes one, and
+        # the queue's C get/put cost a fraction of the semaphore's Python-level Condition.
+        self._wait_slots: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(max(1, daemon.config.grpc_workers // 2)):
+            self._wait_slots.put(None)
 
-    def _waiting(self, wait_s: float, call: Callable[[float], object]):
-        if wait_s <= 0 or not self._wait_slots.acquire(blocking=False):
+    def _waiting(self, wait_s: float, context, call: Callable[[float], object]):
+        """``call(w)`` with a wait of up to ``wait_s`` (bounded by the caller's deadline) when a wait
+        slot is free, else with no wait."""
+        if wait_s <= 0:
             return call(0.0)
         try:
-            return call(wait_s)
+            self._wait_slots.get_nowait()
+        except queue.Empty:
+            return call(0.0)
+        try:
+            return call(_bounded_wait(wait_s, context))
         finally:
-            self._wait_slots.release()
+            self._wait_slots.put(None)
 
     def _session_id(self, context) -> str:
         for key, value in context.invocation_metadata():
@@ -95,12 +106,10 @@ class _Servicer(pb_grpc.DaemonServicer):
     def Loan(self, request, context):
         session_id = self._session_id(context)
         self._piggybacked_release(session_id, request)
-        wait_s = _bounded_wait(min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000, context)
         if request.dedicated:
-            handles, tokens = self._registry.loan_dedicated(session_id, request.nbytes)
-        else:
-            handles, tokens = self._waiting(wait_s, lambda w: self._registry.loan(session_id, request.nbytes, w))
-        return pb.LoanResponse(handles=handles, commit_tokens=tokens)
+            return self._registry.loan_dedicated(session_id, request.nbytes)
+        wait_s = min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000
+        return self._waiting(wait_s, context, lambda w: self._registry.loan(session_id, request.nbytes, w))
 
     @_typed_errors
     def Commit(self, request, context):
@@ -111,11 +120,11 @@ class _Servicer(pb_grpc.DaemonServicer):
 
     @_typed_errors
     def Acquire(self, request, context):
-        wait_s = _bounded_wait(self._daemon.config.commit_wait_s, context)
         session_id = self._session_id(context)
         self._piggybacked_release(session_id, request)
         lease_ids = self._waiting(
-            wait_s,
+            self._daemon.config.commit_wait_s,
+            context,
             lambda w: self._registry.acquire(session_id, request.handles, request.ttl_ms, w, request.commit_tokens),
         )
         return pb.AcquireResponse(lease_ids=lease_ids)

@@ -1,0 +1,185 @@
+"""Stat's per-client byte counts are kept at every state transition, not recomputed by walking the
+objects (that walk made Stat O(live objects) under the registry lock).
+
+A seeded random walk over the registry's operations (arena and dedicated loans, Commit, Acquire
+with and without commit tokens, releases of references and leases - plain and piggybacked -,
+producer death, TTL expiry of leases and holds), refused operations included: after every step
+each session's counters equal a brute-force recomputation from every live allocation.
+"""
+from __future__ import annotations
+
+import collections
+import random
+import time
+
+import pytest
+
+from shmtransport.daemon.allocator import Allocator
+from shmtransport.daemon.registry import Limits, ObjState, Registry
+from shmtransport.daemon.segments import new_instance_id
+from shmtransport.errors import ShmTransportError
+from shmtransport.testing import unique_prefix
+from shmtransport.v1 import daemon_pb2 as pb
+
+KiB = 1024
+ARENA_NBYTES = 256 * KiB
+QUOTA_NBYTES = 96 * KiB  # small enough that random loans also hit the quota and a full arena
+STEPS = 400
+SESSIONS = 4
+MAX_TTL_MS = 2000
+
+
+class Walk:
+    """One random sequence of operations on a registry, remembering every handle and lease it was
+    given (stale ones too: reusing them exercises the refusals)."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        instance = new_instance_id()
+        self.registry = Registry(
+            instance, f"{unique_prefix()}-{instance}-arena", Allocator(ARENA_NBYTES),
+            Limits(quota_nbytes=QUOTA_NBYTES, quota_leases=64, default_lease_ttl_ms=MAX_TTL_MS,
+                   max_lease_ttl_ms=10 * MAX_TTL_MS, default_hold_ms=0),
+        )
+        self.loans: list[tuple[str, pb.Handle, bytes]] = []  # (producer session, handle, commit token)
+        self.leases: list[tuple[str, int]] = []  # (consumer session, lease id)
+        self.sessions: list[str] = []
+        self.opened = 0
+        self.succeeded: collections.Counter[str] = collections.Counter()  # operation name -> count
+        for _ in range(SESSIONS):
+            self.open_session()
+
+    def open_session(self) -> None:
+        session_id = f"s{self.opened}"
+        self.opened += 1
+        self.registry.open_session(session_id, pid=1000 + self.opened, uid=0)
+        self.sessions.append(session_id)
+
+    def step(self) -> None:
+        op = self.rng.choices(
+            [self.loan, self.commit, self.acquire, self.release_refs, self.release_leases, self.die, self.expire],
+            weights=[6, 2, 5, 4, 4, 1, 2],
+        )[0]
+        try:
+            op()
+        except ShmTransportError:
+            return  # refusals (quota, full arena, stale handle, double release...) are steps too
+        self.succeeded[op.__name__] += 1
+
+    # -- operations ------------------------------------------------------------------------------
+    def loan(self) -> None:
+        session_id = self.rng.choice(self.sessions)
+        sizes = [self.rng.randint(1, 16 * KiB) for _ in range(self.rng.randint(1, 3))]
+        if self.rng.random() < 0.1:
+            response = self.registry.loan_dedicated(session_id, sizes)
+        else:
+            response = self.registry.loan(session_id, sizes)
+        self.loans += [(session_id, h, t) for h, t in zip(response.handles, response.commit_tokens)]
+
+    def commit(self) -> None:
+        session_id, handles = self.some_loans()
+        self.registry.commit(session_id, handles, hold_ms=self.rng.choice([0, 0, self.rng.randint(1, MAX_TTL_MS)]))
+
+    def acquire(self) -> None:
+        session_id = self.rng.choice(self.sessions)
+        picked = self.rng.sample(self.loans, min(len(self.loans), self.rng.randint(1, 3)))
+        handles = [h for _, h, _ in picked]
+        tokens = [t if self.rng.random() < 0.9 else b"forged-token-16b" for _, _, t in picked]
+        with_tokens = self.rng.random() < 0.7
+        lease_ids = self.registry.acquire(session_id, handles, ttl_ms=self.rng.randint(1, MAX_TTL_MS),
+                                          commit_tokens=tokens if with_tokens else ())
+        self.leases += [(session_id, lease_id) for lease_id in lease_ids]
+
+    def release_refs(self) -> None:
+        session_id, handles = self.some_loans()
+        self.registry.release(session_id, handles, [], piggybacked=self.rng.random() < 0.3)
+
+    def release_leases(self) -> None:
+        if not self.leases:
+            return
+        session_id, _ = self.rng.choice(self.leases)
+        own = [lease_id for sid, lease_id in self.leases if sid == session_id]
+        picked = self.rng.sample(own, min(len(own), self.rng.randint(1, 3)))
+        self.registry.release(session_id, [], picked, piggybacked=self.rng.random() < 0.3)
+
+    def die(self) -> None:
+        self.registry.close_session(self.sessions.pop(self.rng.randrange(len(self.sessions))))
+        self.open_session()
+
+    def expire(self) -> None:
+        """Every lease and hold whose deadline falls before a random point of the next TTL span."""
+        self.registry.expire(now=time.monotonic() + self.rng.uniform(0, MAX_TTL_MS / 1000))
+
+    def some_loans(self) -> tuple[str, list[pb.Handle]]:
+        """A session and 1-3 handles it was loaned (some maybe released or freed since)."""
+        if not self.loans:
+            return self.sessions[0], []
+        session_id = self.rng.choice(self.loans)[0]
+        own = [h for sid, h, _ in self.loans if sid == session_id]
+        return session_id, self.rng.sample(own, min(len(own), self.rng.randint(1, 3)))
+
+    # -- the end ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        for session_id in self.sessions:
+            self.registry.close_session(session_id)
+        self.sessions.clear()
+        self.registry.expire(now=time.monotonic() + 100 * MAX_TTL_MS / 1000)
+        self.registry.unlink_dedicated()  # only reached with a leak, which the caller then reports
+
+
+def brute_force_nbytes(registry: Registry) -> dict[str, tuple[int, int]]:
+    """Per live session: (loaned, committed) bytes it holds producer references to, recomputed
+    from every live allocation."""
+    nbytes = {session_id: [0, 0] for session_id in registry._sessions}
+    for obj in registry._objects.values():
+        if obj.producer_ref:
+            assert obj.owner in nbytes, f"allocation {obj.offset} referenced by a closed session"
+            nbytes[obj.owner][obj.state is ObjState.COMMITTED] += obj.nbytes
+    return {session_id: (loaned, committed) for session_id, (loaned, committed) in nbytes.items()}
+
+
+def reported_nbytes(registry: Registry) -> dict[str, tuple[int, int]]:
+    """Per session: (loaned, committed) bytes as Stat reports them."""
+    return {c.session_id: (c.loaned_nbytes, c.committed_nbytes) for c in registry.stat().clients}
+
+
+def check_counters(registry: Registry) -> None:
+    expected = brute_force_nbytes(registry)
+    assert reported_nbytes(registry) == expected
+    for session_id, session in registry._sessions.items():
+        assert session.owned_nbytes == sum(expected[session_id])
+        referenced = {key for key, obj in registry._objects.items() if obj.producer_ref and obj.owner == session_id}
+        assert session.producer_refs == referenced
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stat_byte_counts_equal_a_recount_of_live_allocations_after_every_random_operation(seed):
+    walk = Walk(seed)
+    try:
+        for _ in range(STEPS):
+            walk.step()
+            check_counters(walk.registry)
+        reclaimed = walk.registry.counters
+        assert set(walk.succeeded) == {"loan", "commit", "acquire", "release_refs", "release_leases", "die", "expire"}
+        assert reclaimed["reclaimed_ttl_leases"] and reclaimed["reclaimed_death_refs"], "the walk missed a reclaim"
+        assert reclaimed["dedicated_total"], "the walk made no dedicated loan"
+    finally:
+        walk.close()
+    assert not walk.registry._objects and walk.registry.allocator.used_nbytes == 0
+    assert walk.registry.dedicated_names() == []
+
+
+def test_stat_byte_counts_follow_one_object_through_loan_commit_lease_and_release():
+    walk = Walk(seed=0)
+    registry = walk.registry
+    try:
+        response = registry.loan("s0", [100, 28])
+        assert reported_nbytes(registry)["s0"] == (128, 0)
+        registry.acquire("s1", response.handles[:1], ttl_ms=1000, commit_tokens=response.commit_tokens[:1])
+        assert reported_nbytes(registry)["s0"] == (28, 100)  # committed by handoff; both still the producer's
+        registry.commit("s0", response.handles[1:], hold_ms=1000)
+        assert reported_nbytes(registry)["s0"] == (0, 128)
+        registry.release("s0", response.handles, [])
+        assert reported_nbytes(registry)["s0"] == (0, 0) and registry.stat().live_objects == 2  # lease, hold
+    finally:
+        walk.close()
