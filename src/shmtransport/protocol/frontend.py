@@ -46,7 +46,7 @@ class InlinePolicy:
     like). Inline bytes stay within the limits' ``max_inline_items`` / ``max_inline_bytes``."""
 
     # measured (benchmarks/results/scale.json): a 4 KiB-1 MiB handoff costs ~2 ms here whatever the
-    # size; inline gRPC bytes overtake it at 1.06 MiB (alone) / 1.43 MiB (added to a request)
+    # size; inline gRPC bytes overtake it at 1.04-1.06 MiB (alone) / 1.43-1.56 MiB (added to a request)
     request_below_nbytes: int = 1 << 20
     # inside a batched put no latency difference is measurable up to 256 KiB; one page or less rides
     # inline to save its allocation and lease
