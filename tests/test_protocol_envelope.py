@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
-from shmtransport.errors import IdentityMismatch, Reason
+from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason
 from shmtransport.identity import grpc_mm_identity, item_identity
 from shmtransport.protocol import frontend, routing, worker
 from shmtransport.protocol.items import FeatureItem, FieldConfig
@@ -41,6 +41,64 @@ def test_decoded_tensors_are_zero_copy_views_of_the_payload():
         assert data.obj is raw, key
     assert np.frombuffer(d.tensors["a"][2], np.int64).tolist() == list(range(300))
     assert np.frombuffer(d.tensors["d"][2], np.int16).tolist() == [7]
+
+
+def test_int_float_and_list_data_decode_into_values_not_tensors():
+    """vLLM's NestedTensors: field data may be an int, a float or a list (of tensors, numbers, lists)."""
+    raw = encode_kwargs_item({"n": 3, "pixel_values": np.ones(2, np.float32), "frames": [np.zeros(1, np.uint8), 0.5, []]})
+    d = decode_kwargs_item(raw)
+    assert list(d.values) == ["n", "pixel_values", "frames"] and list(d.tensors) == ["pixel_values"]
+    assert d.values["n"] == 3 and d.values["frames"][1:] == [0.5, []] and d.non_tensor_keys == ["n", "frames"]
+    dtype, shape, data = d.values["frames"][0]
+    assert (dtype, shape) == ("uint8", (1,)) and data.obj is raw  # list tensors are zero-copy views too
+    assert d.nbytes == 8 + 1 and set(d.fields) == set(d.values)
+
+
+def _raw(data, field=("batched", {"keep_on_cpu": False})):
+    return msgpack.packb({"k": {"data": data, "field": list(field)}}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("data,match", [
+    (True, "not a tensor, int, float or list"), ([1.5, None], "not a tensor, int, float or list"),
+    ([1, "x"], "str data"), ("x", "str data"), (1 << 63, "outside int64"), ([(1 << 64) - 1], "outside int64"),
+    ({"a": 1}, "dict data"), (b"raw", "bytes data"), (msgpack.ExtType(3, b"\0"), "bare Ext"),
+    (["float32", [1]], "a tensor must be"), ([["float32", [2], msgpack.ExtType(3, b"\0" * 7)]], "needs 8"),
+    ([[["uint8", [1], 0]]], "aux-frame index"), ([["complex64", [1], msgpack.ExtType(3, b"\0" * 8)]], "dtype"),
+])
+def test_malformed_non_tensor_data_gets_a_typed_error(data, match):
+    with pytest.raises(InvalidArgument, match=match):
+        decode_kwargs_item(_raw(data))
+
+
+def test_non_tensor_data_needs_flat_dim_0_and_the_depth_limit_holds():
+    with pytest.raises(InvalidArgument, match="non-tensor data"):
+        decode_kwargs_item(_raw([1, 2], ("flat", {"keep_on_cpu": False, "slices": [[0, 1, None]], "dim": 1})))
+    assert decode_kwargs_item(_raw([1, 2], ("flat", {"keep_on_cpu": False, "slices": [], "dim": 0}))).values == {"k": [1, 2]}
+    nested = 1
+    for _ in range(40):
+        nested = [nested]
+    with pytest.raises(InvalidArgument, match="nesting deeper than 32"):
+        decode_kwargs_item(_raw(nested))
+
+
+@pytest.mark.parametrize("value", [True, None, 1 << 63, np.int64(3), "text", {"a": 1}, ("float32", (2,), b"\0")])
+def test_encoder_refuses_what_the_gateway_cannot_carry(value):
+    with pytest.raises(InvalidArgument):
+        encode_kwargs_item({"k": value})
+
+
+def test_tensor_only_consumers_refuse_non_tensor_items_instead_of_dropping_keys():
+    raw = encode_kwargs_item({"pixel_values": np.ones(2, np.float32), "num_crops": 2})
+    env = {"mm_hashes": {"image": ["a" * 16]}, "mm_placeholders": {"image": [[0, 2]]},
+           "kwargs_data": {"image": [base64.b64encode(raw).decode()]}}
+    with pytest.raises(InvalidArgument, match="'num_crops' carries int, float or list data"):
+        frontend.request_from_envelope(None, env, mode="inline")
+    items = [FeatureItem("image", {}, PlaceholderRange(0, 2), kwargs_msgpack=raw)]
+    with pytest.raises(InvalidArgument, match="'num_crops'"):
+        frontend.build_request(None, items, mode="msgpack")  # an xxh3 identity would not cover num_crops
+    req = frontend.build_request(None, items, mode="msgpack", scheme="grpc-mm").request  # bytes are hashed whole
+    with pytest.raises(InvalidArgument, match="'num_crops'"):
+        worker.open_request(None, req)  # the worker hands the model tensors only
 
 
 _dtypes = st.sampled_from(["bool", "uint8", "int8", "float16", "bfloat16", "uint16", "int16", "float32", "uint32",
@@ -125,22 +183,25 @@ def _items(modalities):
 def test_image_only_request_emits_legacy_flat_fields():
     req = frontend.build_request(None, _items(["image", "image"]), mode="inline").request
     meta = frontend.routing_metadata(req)
-    hashes = [it.mm_hash for it in req.batches[0].items]
+    hashes = [routing.routing_marker(it.mm_hash) for it in req.batches[0].items]  # markers, not identities
     assert meta["mm_hashes_by_modality"] == {"image": hashes} and meta["mm_hashes"] == hashes
     assert meta["mm_placeholders"] == [[0, 3], {"offset": 10, "length": 3, "is_embed": [True, False, True]}]
     assert meta["mm_placeholders_by_modality"] == {"image": meta["mm_placeholders"]}
-    assert worker.forwarded_uuids({"mm_hashes": hashes}) == {"image": hashes}
-    assert worker.forwarded_uuids({"mm_hashes": hashes}, unified_vision=True) == {"vision_chunk": hashes}
+    assert routing.forwarded_mm_uuids({"mm_hashes": hashes}) == {"image": hashes}
+    assert routing.forwarded_mm_uuids({"mm_hashes": hashes}, unified_vision=True) == {"vision_chunk": hashes}
+    assert "mm_hashes" not in frontend.routing_metadata(req, exact=False)  # token-only routing: no hashes
 
 
 def test_mixed_request_does_not_emit_legacy_flat_fields():
     req = frontend.build_request(None, _items(["image", "video", "audio"]), mode="inline").request
     meta = frontend.routing_metadata(req)
-    assert "mm_hashes" not in meta and "mm_placeholders" not in meta
+    assert meta["mm_hashes"] == [] and meta["mm_placeholders"] == []  # as Dynamo's frontend sends them
     assert set(meta["mm_hashes_by_modality"]) == {"image", "video", "audio"}
-    uuids = worker.forwarded_uuids(meta, unified_vision=True)
+    uuids = routing.forwarded_mm_uuids(meta, unified_vision=True)
+    hashes_a = meta["mm_hashes_by_modality"]["audio"][0]
     assert set(uuids) == {"vision_chunk", "video", "audio"}
-    assert worker.forwarded_uuids({"mm_hashes_by_modality": {"image": [], "audio": ["a"]}}) == {"audio": ["a"]}
+    assert routing.forwarded_mm_uuids({"mm_hashes_by_modality": {"image": [], "audio": [hashes_a]}}) == \
+        {"audio": [hashes_a]}
 
 
 def test_markers_set_on_request_and_checked_by_worker():

@@ -9,7 +9,7 @@ import pytest
 
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason, ResourceExhausted
-from shmtransport.protocol import frontend, worker
+from shmtransport.protocol import frontend, routing, worker
 from shmtransport.protocol.envelope import decode_envelope
 from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.protocol.limits import Limits
@@ -290,8 +290,8 @@ def test_unsafe_uuid_rejected(bad):
 
 @pytest.mark.parametrize("bad", [".", "..", "a/b", "a\\b", "a\0b"])
 def test_unsafe_forwarded_uuid_rejected(bad):
-    with invalid("unsafe multi_modal_uuid") as excinfo:
-        worker.forwarded_uuids({"mm_hashes_by_modality": {"image": [bad]}})
+    with invalid("must start with 16 hex characters") as excinfo:  # Dynamo's worker rule
+        routing.forwarded_mm_uuids({"mm_hashes_by_modality": {"image": [bad]}})
     assert_reason(excinfo, InvalidArgument, Reason.INVALID_ARGUMENT)
 
 

@@ -1,5 +1,6 @@
 """``shmtransport`` console script: ``daemon`` runs shmtransportd, ``stat`` prints its state,
-``worker`` runs the Generator worker server (small torch model over shared-memory tensors)."""
+``worker`` runs the reference Generator worker server (small torch model over shared-memory tensors),
+``vllm-worker`` runs vLLM's engine behind the same service (``shmtransport vllm-worker --help``)."""
 from __future__ import annotations
 
 import argparse
@@ -146,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["vllm-worker"]:  # vLLM's engine flags: parsed by vLLM's own parser
+        from .engine.worker import main as vllm_worker_main
+
+        return vllm_worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

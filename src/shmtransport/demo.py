@@ -1,5 +1,9 @@
 """``make demo``: the whole pipeline on one node — renderer -> shmtransportd -> worker server.
 
+By default the worker is vLLM's real engine (``shmtransport.engine.demo``: vLLM's stock gRPC server
+and our zero-copy ``vllm-worker`` side by side). ``--worker reference`` runs the reference worker
+described below instead.
+
 Three processes: the daemon (``shmtransport daemon``), the worker (``shmtransport worker``: a gRPC
 ``Generator`` running a small real torch model: vision/audio encoders whose outputs are scattered
 into the token embeddings at the is_embed positions, then a GRU decoder that samples with the
@@ -146,8 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests per kind (CI)")
     parser.add_argument("--rounds", type=int, default=None, help="timed requests per kind and path")
     parser.add_argument("--synthetic", action="store_true", help="synthetic tensors even if transformers is here")
-    parser.add_argument("--device", default="auto", help="worker device (auto: cuda when available)")
+    parser.add_argument("--device", default="auto", help="reference worker device (auto: cuda when available)")
+    parser.add_argument("--worker", choices=("vllm", "reference"), default="vllm",
+                        help="vllm: vLLM's real engine, stock server and ours side by side (default); "
+                             "reference: the small reference worker (every modality, LoRA, cancel, errors)")
     args = parser.parse_args(argv)
+    if args.worker == "vllm":
+        from .engine.demo import run
+
+        print("worker: vLLM engine (--worker reference for the reference worker)")
+        return run(quick=args.quick)
+    print("worker: the reference worker (--worker vllm for vLLM's engine)")
     rounds = args.rounds or (2 if args.quick else 8)
 
     from . import BACKEND

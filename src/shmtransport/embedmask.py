@@ -8,6 +8,7 @@ All heavy lifting is done by the backend kernels (``shmtransport._backend.kernel
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any
 
@@ -16,8 +17,8 @@ import numpy as np
 from ._backend import kernels
 from .errors import InvalidArgument
 
-__all__ = ["EmbedMask", "PlaceholderRange", "get_num_embeds", "embeds_cumsum", "extract_embeds_range",
-           "get_embeds_indices_in_range"]
+__all__ = ["EmbedMask", "PlaceholderRange", "WindowOutOfRange", "get_num_embeds", "embeds_cumsum",
+           "extract_embeds_range", "get_embeds_indices_in_range"]
 
 
 def _int(value: Any, name: str) -> int:
@@ -111,6 +112,11 @@ class EmbedMask:
         return kernels.mask_window(self._packed, self._nbits, start, end)
 
 
+class WindowOutOfRange(InvalidArgument, IndexError):
+    """A window bound past the mask: vLLM indexes its cumsum list there and raises IndexError, so
+    this is both our typed InvalidArgument and an IndexError."""
+
+
 def _window(length: int, start: Any, end: Any) -> tuple[int, int]:
     start = _int(start, "start")
     end = _int(end, "end")
@@ -130,9 +136,9 @@ def _check_mask(length: int, is_embed: EmbedMask | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM PlaceholderRange semantics (vllm/multimodal/inputs.py). Indices given to
-# get_embeds_indices_in_range are relative to the placeholder; extract_embeds_range returns
-# absolute prompt positions.
+# vLLM PlaceholderRange semantics (vllm/multimodal/inputs.py, 0.32), same results under vLLM's own
+# idioms (tests/test_conformance_vllm.py). Indices given to get_embeds_indices_in_range are
+# relative to the placeholder; extract_embeds_range returns absolute prompt positions.
 # ---------------------------------------------------------------------------------------------
 def get_num_embeds(length: int, is_embed: EmbedMask | None) -> int:
     """``length`` when the mask is absent, else the number of set bits."""
@@ -141,10 +147,11 @@ def get_num_embeds(length: int, is_embed: EmbedMask | None) -> int:
     return length if is_embed is None else is_embed.num_embeds()
 
 
-def embeds_cumsum(length: int, is_embed: EmbedMask | None) -> np.ndarray | None:
-    """Inclusive cumulative sum of the mask; None when the mask is absent (as in vLLM)."""
+def embeds_cumsum(length: int, is_embed: EmbedMask | None) -> list[int] | None:
+    """Inclusive cumulative sum of the mask as a list of ints (vLLM's type: its own callers write
+    ``x[-1] if x else 0``, which an ndarray refuses); None when the mask is absent."""
     _check_mask(_int(length, "length"), is_embed)
-    return None if is_embed is None else is_embed.cumsum()
+    return None if is_embed is None else is_embed.cumsum().tolist()
 
 
 def extract_embeds_range(offset: int, length: int, is_embed: EmbedMask | None) -> list[tuple[int, int]]:
@@ -160,16 +167,27 @@ def extract_embeds_range(offset: int, length: int, is_embed: EmbedMask | None) -
 def get_embeds_indices_in_range(length: int, is_embed: EmbedMask | None, start: Any, end: Any) -> tuple[int, int]:
     """Encoder-output indices ``[a, b)`` of the embeds among placeholder positions ``[start, end)``.
 
-    Example: offset=2, length=5, is_embed=[F,T,F,T,T], (3, 5) -> (1, 3). Dense: (start, end).
-    Mirrors vLLM (``cumsum[start-1]`` or 0, ``cumsum[end-1]``) for 0 <= start <= end <= length;
-    unlike vLLM, end == 0 gives (0, 0) (vLLM would read ``cumsum[-1]``) and other values raise.
+    Example: offset=2, length=5, is_embed=[F,T,F,T,T], (3, 5) -> (1, 3). vLLM's rules, windows it
+    accepts included: dense returns ``(start, end)`` unchanged (any ints, e.g. (0, 2) on length 1);
+    with a mask each bound ``i`` maps to ``cumsum[i-1]`` if ``i > 0`` else 0, independently (so
+    start > end is answered, not refused), and ``i > length`` raises ``WindowOutOfRange`` where vLLM
+    raises IndexError. Non-int bounds raise InvalidArgument.
     """
     length = _int(length, "length")
     _check_mask(length, is_embed)
-    start, end = _window(length, start, end)
+    start, end = _int(start, "start"), _int(end, "end")
     if is_embed is None:
         return start, end
-    return is_embed.window(start, end)
+    a, b = (_prefix_len(length, i, name) for i, name in ((start, "start"), (end, "end")))
+    lo, hi = is_embed.window(min(a, b), max(a, b))  # one kernel pass for both prefix counts
+    return (lo, hi) if a <= b else (hi, lo)
+
+
+def _prefix_len(length: int, i: int, name: str) -> int:
+    """How many mask positions vLLM's ``cumsum[i-1] if i > 0 else 0`` counts."""
+    if i > length:
+        raise WindowOutOfRange(f"{name}={i} is past the placeholder's length {length}")
+    return max(i, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +214,8 @@ class PlaceholderRange:
     def get_num_embeds(self) -> int:
         return get_num_embeds(self.length, self.is_embed)
 
-    @property
-    def embeds_cumsum(self) -> np.ndarray | None:
+    @functools.cached_property  # cached like vLLM's (frozen dataclasses allow it: it writes __dict__)
+    def embeds_cumsum(self) -> list[int] | None:
         return embeds_cumsum(self.length, self.is_embed)
 
     def extract_embeds_range(self) -> list[tuple[int, int]]:

@@ -19,6 +19,9 @@ verify tensors in parallel:
 
 The ``grpc-mm`` scheme is vLLM gRPC's identity of a preprocessed item: SHA-256 over the exact
 MessagePack bytes of its kwargs (``grpc_mm_identity``; recipe in reference/protocol-facts.md 1.6).
+Those bytes are vLLM's ``MsgpackEncoder(size_threshold=2**62).encode(item)[0]``, which
+``protocol.msgpack_kwargs.encode_kwargs_item`` reproduces byte for byte (same key order), so an
+item has the same grpc-mm identity whichever side encoded it.
 """
 from __future__ import annotations
 
@@ -192,7 +195,8 @@ def item_identity(modality: str, tensors: Mapping[str, Any], scheme: str = DEFAU
 # ---------------------------------------------------------------------------------------------
 def grpc_mm_identity(modality: str, kwargs_msgpack: bytes) -> str:
     """``"grpc-mm:" + hex(SHA256(b"vllm.grpc.preprocessed-mm.v1" || u64be(len(modality)) || modality
-    || u64be(len(raw)) || raw))`` over the exact MessagePack bytes ``raw``."""
+    || u64be(len(raw)) || raw))`` over the exact MessagePack bytes ``raw``: never re-encode them (key
+    order, and so the identity, is the producer's)."""
     _check_modality(modality)
     try:
         raw = memoryview(kwargs_msgpack).cast("B")

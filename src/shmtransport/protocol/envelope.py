@@ -143,6 +143,7 @@ def decode_envelope(features: Any, *, prompt_len: int | None = None, routing_mar
         if remaining < 0:
             raise limit_exceeded("max_inline_bytes", limits.max_inline_bytes - remaining, limits.max_inline_bytes)
         decoded = decode_kwargs_item(raw, limits)
+        decoded.require_tensors(where)  # FeatureItem kwargs are tensors; identities cover them only
         ours = h.split(":", 1)[0] in TENSOR_SCHEMES
         items.append(FeatureItem(modality, decoded.tensors, placeholder, decoded.fields,
                                  mm_hash=h if ours else None, kwargs_msgpack=raw))

@@ -258,6 +258,7 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
                 from .msgpack_kwargs import decode_kwargs_item
 
                 decoded = decode_kwargs_item(raw, limits)
+                decoded.require_tensors(f"{it.modality} item {i}")  # the identity covers tensors only
                 identity = combine(scheme, it.modality, [(k, d, s, memoryview(b).nbytes, tensor_digest(scheme, b))
                                                          for k, (d, s, b) in decoded.tensors.items()])
         else:
@@ -302,24 +303,31 @@ def request_from_envelope(producer: Producer | None, features: Any, *, prompt_le
                          limits=limits, inline=inline)
 
 
-def routing_metadata(request: fpb.MultimodalRequest) -> dict[str, Any]:
-    """``extra_args`` routing metadata as Dynamo's frontend emits it (``vllm_processor.py``):
-    ``mm_hashes_by_modality`` / ``mm_placeholders_by_modality`` always; the legacy flat
-    ``mm_hashes`` / ``mm_placeholders`` ONLY when the request is image-only (otherwise the keys are
-    absent). Items without an mm_hash are skipped."""
+def routing_metadata(request: fpb.MultimodalRequest, *, exact: bool = True) -> dict[str, Any]:
+    """``extra_args`` routing metadata in the form Dynamo's frontend emits (``vllm_processor.py``
+    ``_group_mm_feature_metadata`` / ``_prepare_mm_routing``): ``mm_hashes_by_modality`` /
+    ``mm_placeholders_by_modality``, plus the legacy flat ``mm_hashes`` / ``mm_placeholders``, which
+    carry the image lists when the request is image-only and are ``[]`` otherwise.
+
+    Each hash is the item's routing marker (``routing.routing_marker``), not its identity: Dynamo's
+    worker requires 16 leading hex and passes the marker to vLLM unchanged, so vLLM's extra_keys and
+    the router's pad values come from the same u64. An item without an mm_hash keeps its slot as
+    ``None`` (Dynamo's worker keeps it, aligned; vLLM hashes that item itself). ``exact=False`` (the
+    router fell back to token-only routing: ``kv_routing.RoutingIdentity.multimodal`` is False) omits
+    the hashes, as Dynamo does: their presence turns on multimodal keys in the worker's KV events."""
     from .items import modality_from_pb
 
-    hashes: dict[str, list[str]] = {}
+    hashes: dict[str, list[str | None]] = {}
     placeholders: dict[str, list[Any]] = {}
     for batch in request.batches:
         modality = modality_from_pb(batch.modality)
         for it in batch.items:
-            if not it.mm_hash:
-                continue
-            hashes.setdefault(modality, []).append(it.mm_hash)
+            hashes.setdefault(modality, []).append(routing.routing_marker(it.mm_hash) if it.mm_hash else None)
             placeholders.setdefault(modality, []).append(placeholder_to_json(it.placeholder))
-    out: dict[str, Any] = {"mm_hashes_by_modality": hashes, "mm_placeholders_by_modality": placeholders}
-    if set(hashes) == {"image"}:
-        out["mm_hashes"] = list(hashes["image"])
-        out["mm_placeholders"] = list(placeholders["image"])
+    image_only = set(hashes) == {"image"}
+    out: dict[str, Any] = {"mm_placeholders": list(placeholders["image"]) if image_only else [],
+                           "mm_placeholders_by_modality": placeholders}
+    if exact:
+        out["mm_hashes"] = list(hashes["image"]) if image_only else []
+        out["mm_hashes_by_modality"] = hashes
     return out

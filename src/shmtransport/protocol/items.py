@@ -87,13 +87,17 @@ class FieldConfig:
 
     # -- vLLM's msgpack tuple -------------------------------------------------------------------
     def to_wire(self) -> list:
+        # Option order is vLLM's: its encoder writes dataclasses.fields(field), keep_on_cpu first.
         if self.kind == "batched":
             return ["batched", {"keep_on_cpu": self.keep_on_cpu}]
         if self.kind == "shared":
-            return ["shared", {"batch_size": self.batch_size, "keep_on_cpu": self.keep_on_cpu}]
-        wire = [[[s.start, s.stop, s.step] for s in e] if isinstance(e, tuple) else [e.start, e.stop, e.step]
-                for e in self.slices]
-        return ["flat", {"keep_on_cpu": self.keep_on_cpu, "slices": wire, "dim": self.dim}]
+            return ["shared", {"keep_on_cpu": self.keep_on_cpu, "batch_size": self.batch_size}]
+
+        def bounds(s: slice) -> list:  # vLLM's enc_hook: (int(v) or None for start, stop, step)
+            return [None if v is None else int(v) for v in (s.start, s.stop, s.step)]
+
+        wire = [[bounds(s) for s in e] if isinstance(e, (tuple, list)) else bounds(e) for e in self.slices]
+        return ["flat", {"keep_on_cpu": self.keep_on_cpu, "slices": wire, "dim": int(self.dim)}]
 
 
 @dataclasses.dataclass

@@ -1,21 +1,24 @@
 """KV-routing identity of a multimodal request: routing token stream, block and sequence hashes.
 
-Routing token stream (Dynamo ``/generate`` exact projection, protocol-facts 2.6): start from the
+Routing token stream (Dynamo ``/generate`` exact projection, protocol-facts 2.6; the
+``routing_token_ids`` of Dynamo's ``build_mm_routing_info_from_features``): start from the
 prompt token ids; for each multimodal item, every ``is_embed`` position of its placeholder (every
 position when the placeholder is dense) is replaced by the item's pad value
 ``1_000_000 + (u64 & (2**30 - 1))`` with ``u64 = routing.hash_mm_identifier(mm_hash)`` (the
 content identity, no adapter prefix; equal to the u64 of the item's routing marker). Positions
 that are not embeds keep their token ids.
 
-Block hashes: for each FULL block of ``block_size`` tokens, ``xxh3_64_with_seed(tokens as
-little-endian u32, seed)``; partial tail blocks are not hashed (they are never cached).
-Sequence hashes chain: ``seq[0] = block[0]``, ``seq[i] = xxh3_64_with_seed(u64le(seq[i-1]) ||
-u64le(block[i]), seed)``.
+Block hashes (Dynamo's ``compute_block_hash_for_seq``): for each FULL block of ``block_size``
+tokens, ``xxh3_64_with_seed(tokens as little-endian u32 [|| u64le(mm_hash) for each of the block's
+multimodal objects, in ascending order], seed)``; partial tail blocks are not hashed (they are never
+cached). The mm-hash suffix is Dynamo's ``block_mm_infos`` side channel (``block_mm_hashes`` here);
+the pad-value stream above carries the identity instead, with no side channel, as Dynamo's frontend
+does today. Sequence hashes chain with the UNSALTED seed: ``seq[0] = block[0]``,
+``seq[i] = xxh3_64_with_seed(u64le(seq[i-1]) || u64le(block[i]), 1337)``.
 
-Seed (our documented derivation; Dynamo's ``compute_salt_hash`` is not in the cited sources):
-``XXH3_SEED = 1337`` when both the cache namespace and the LoRA name are empty (empty = absent);
-otherwise ``xxh3_64_with_seed(b"shmtransport.kv-salt.v1\\0" || framed(cache_namespace) ||
-framed(lora_name), 1337)`` with ``framed(s) = u64le(len(utf8 s)) || utf8 s``.
+Seed (Dynamo's ``compute_salt_hash``; empty string = absent): ``XXH3_SEED = 1337``, plus
+``xxh3_64(utf8 lora_name)`` when a LoRA name is given, plus ``xxh3_64_with_seed(utf8
+cache_namespace, 1)`` when a cache namespace is given, wrapping at 2**64.
 
 Ambiguous layouts never produce a wrong hash: they fall back to token-only routing (the plain
 prompt token ids), with the reason logged and returned. Ambiguous = a placeholder outside the
@@ -43,7 +46,7 @@ from . import routing
 log = logging.getLogger(__name__)
 
 XXH3_SEED = 1337
-_SALT_DOMAIN = b"shmtransport.kv-salt.v1\0"
+_U64 = (1 << 64) - 1
 DEFAULT_BLOCK_SIZE = 16
 
 __all__ = ["RoutingItem", "RoutingIdentity", "routing_identity", "routing_tokens", "block_hashes",
@@ -71,31 +74,38 @@ class RoutingIdentity:
         return self.fallback_reason is None
 
 
-def _framed(s: str) -> bytes:
-    raw = s.encode("utf-8")
-    return struct.pack("<Q", len(raw)) + raw
-
-
 def salt_seed(cache_namespace: str | None = None, lora_name: str | None = None) -> int:
-    ns, lora = cache_namespace or "", lora_name or ""
-    if not ns and not lora:
-        return XXH3_SEED
-    return xxhash.xxh3_64_intdigest(_SALT_DOMAIN + _framed(ns) + _framed(lora), seed=XXH3_SEED)
+    seed = XXH3_SEED
+    if lora_name:
+        seed += xxhash.xxh3_64_intdigest(lora_name.encode("utf-8"))
+    if cache_namespace:
+        # seed 1: a namespace and a LoRA of the same name salt differently
+        seed += xxhash.xxh3_64_intdigest(cache_namespace.encode("utf-8"), seed=1)
+    return seed & _U64
 
 
-def block_hashes(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, seed: int = XXH3_SEED) -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, seed: int = XXH3_SEED,
+                 block_mm_hashes: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+    """``block_mm_hashes[i]``: the u64 hashes of the multimodal objects in block i (None: none);
+    Dynamo's ``block_mm_infos``. Entries past the last full block are ignored."""
     if block_size <= 0:
         raise InvalidArgument(f"block_size must be > 0, got {block_size}")
     arr = np.asarray(tokens, dtype="<u4")
-    full = len(arr) // block_size
-    return [xxhash.xxh3_64_intdigest(arr[i * block_size:(i + 1) * block_size].tobytes(), seed=seed)
-            for i in range(full)]
+    out = []
+    for i in range(len(arr) // block_size):
+        data = arr[i * block_size:(i + 1) * block_size].tobytes()
+        mm = block_mm_hashes[i] if block_mm_hashes is not None and i < len(block_mm_hashes) else None
+        if mm:
+            data += np.asarray(sorted(mm), dtype="<u8").tobytes()
+        out.append(xxhash.xxh3_64_intdigest(data, seed=seed))
+    return out
 
 
-def sequence_hashes(blocks: Sequence[int], seed: int = XXH3_SEED) -> list[int]:
+def sequence_hashes(blocks: Sequence[int]) -> list[int]:
+    # the chain is never salted: the salt is already in every block hash
     out: list[int] = []
     for b in blocks:
-        out.append(b if not out else xxhash.xxh3_64_intdigest(struct.pack("<QQ", out[-1], b), seed=seed))
+        out.append(b if not out else xxhash.xxh3_64_intdigest(struct.pack("<QQ", out[-1], b), seed=XXH3_SEED))
     return out
 
 
@@ -142,7 +152,7 @@ def routing_identity(token_ids: Sequence[int], items: Sequence[RoutingItem], *, 
         log.info("kv routing falls back to token-only routing: %s", reason)
     seed = salt_seed(cache_namespace, lora_name)
     blocks = block_hashes(tokens, block_size, seed)
-    return RoutingIdentity(tokens, blocks, sequence_hashes(blocks, seed), reason)
+    return RoutingIdentity(tokens, blocks, sequence_hashes(blocks), reason)
 
 
 def items_from_request(request: Any) -> list[RoutingItem]:

@@ -1,10 +1,21 @@
 """vLLM's MessagePack encoding of one ``MultiModalKwargsItem`` (protocol-facts 3.3, 3.4), safely.
 
-Wire layout (vLLM ``MsgpackEncoder``, map form that vLLM's Rust gateway accepts)::
+Wire layout: byte for byte what vLLM's ``MsgpackEncoder(size_threshold=2**62).encode(item)[0]``
+emits (the all-inline form vLLM's gRPC sidecar and ``mm_serde`` produce and the Rust gateway
+accepts; checked against the real encoder in tests/test_conformance_vllm.py)::
 
-    {key: {"data": [dtype, shape, Ext(3, raw little-endian bytes)],
+    {key: {"data": value,
            "field": ["batched", {keep_on_cpu}] | ["flat", {keep_on_cpu, slices, dim}]
-                    | ["shared", {batch_size, keep_on_cpu}]}}
+                    | ["shared", {keep_on_cpu, batch_size}]}}        # keys in the item's order
+    value  = [dtype, shape, Ext(3, raw little-endian C-order bytes)]  # a tensor
+           | int | float | [value, ...]                              # vLLM's NestedTensors
+    slices = [[start, stop, step] | [[start, stop, step], ...], ...]  # nil for None
+
+Map keys keep the caller's order (vLLM writes ``item.items()`` order; it is not sorted), and each
+field's options follow the dataclass field order of vLLM's field classes (``keep_on_cpu`` first).
+With vLLM's default ``size_threshold`` (256 B) a tensor of >= 256 bytes is written as an int index
+into aux frames instead of Ext(3): such bytes are not an inline item and are refused here, as the
+gateway refuses them.
 
 Decoding runs a structural preflight over the raw bytes first (depth, node count, reserved 0xC1,
 truncation, trailing bytes: the checks of vLLM's gateway), then ``msgpack.unpackb`` with an
@@ -12,8 +23,8 @@ truncation, trailing bytes: the checks of vLLM's gateway), then ``msgpack.unpack
 as fresh ``bytes`` (a copy), so the preflight records each Ext(3) payload's span and msgpack decodes
 a skeleton in which each payload is replaced by an 8-byte span index: tensors are zero-copy
 memoryviews of the input, and the only copy of their bytes is the one into shared memory. Pickle exts (1, 2) and aux-frame index
-references are rejected; nothing is ever unpickled. Only tensor data is accepted (no scalar or
-nested-list kwargs).
+references are rejected; nothing is ever unpickled. Data values are the gateway's
+``NestedTensorValue``: a tensor, an int (i64), a float or a list of these; bool, nil and str are not.
 """
 from __future__ import annotations
 
@@ -22,13 +33,15 @@ import struct
 from typing import Any, Mapping
 
 import msgpack
+import numpy as np
 
 from ..errors import InvalidArgument
-from ..tensors import DTYPE_ITEMSIZE, as_byte_array
+from ..tensors import DTYPE_ITEMSIZE, as_byte_array, dtype_name
 from .limits import DEFAULT_LIMITS, Limits
 from .items import FIELD_KINDS, FieldConfig
 
 EXT_RAW_VIEW = 3
+_I64 = (-(1 << 63), (1 << 63) - 1)  # the gateway's NestedTensorValue::Int(i64)
 
 __all__ = ["preflight", "decode_kwargs_item", "encode_kwargs_item", "DecodedKwargs", "EXT_RAW_VIEW"]
 
@@ -147,19 +160,42 @@ def _ext_hook_for(raw: bytes, raw_views: list):
 
 
 class DecodedKwargs:
-    """One decoded kwargs item: ``tensors[key] = (dtype, shape, bytes-like)`` (the identity module's
-    tuple form) and ``fields[key] = FieldConfig``; ``raw`` is the exact MessagePack bytes."""
+    """One decoded kwargs item, keys in wire order.
 
-    __slots__ = ("tensors", "fields", "raw")
+    ``values[key]`` is every field's data: a tensor as the tuple ``(dtype, shape, bytes-like)`` (the
+    identity module's form), an int, a float or a (nested) list of these. ``tensors`` holds the keys
+    whose data is one tensor (what the shared-memory transport carries); ``fields[key]`` is the
+    ``FieldConfig``; ``raw`` is the exact MessagePack bytes."""
 
-    def __init__(self, tensors: dict, fields: dict, raw: bytes):
+    __slots__ = ("tensors", "fields", "raw", "values")
+
+    def __init__(self, tensors: dict, fields: dict, raw: bytes, values: dict | None = None):
         self.tensors = tensors
         self.fields = fields
         self.raw = raw
+        self.values = dict(tensors) if values is None else values
 
     @property
     def nbytes(self) -> int:
-        return sum(memoryview(t[2]).nbytes for t in self.tensors.values())
+        return sum(memoryview(t[2]).nbytes for v in self.values.values() for t in _leaves(v))
+
+    @property
+    def non_tensor_keys(self) -> list[str]:
+        return [k for k in self.values if k not in self.tensors]
+
+    def require_tensors(self, where: str = "item") -> None:
+        """For tensor-only consumers: refuse (never silently drop) int/float/list fields."""
+        if self.non_tensor_keys:
+            raise _bad(f"{where}: field {self.non_tensor_keys[0]!r} carries int, float or list data; "
+                       f"only single-tensor fields are carried here")
+
+
+def _leaves(value: Any):
+    if isinstance(value, tuple):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from _leaves(v)
 
 
 def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwargs:
@@ -180,6 +216,7 @@ def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwar
         raise _bad(f"an item must be a map of key -> field element, got {type(obj).__name__}")
     if not 1 <= len(obj) <= limits.max_fields:
         raise _bad(f"an item must have 1..{limits.max_fields} fields, got {len(obj)}")
+    values: dict[str, Any] = {}
     tensors: dict[str, tuple] = {}
     fields: dict[str, FieldConfig] = {}
     for key, elem in obj.items():
@@ -187,17 +224,40 @@ def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwar
             raise _bad(f"field key must be a str of 1..{limits.max_key_bytes} bytes, got {key!r:.80}")
         if not isinstance(elem, dict) or set(elem) != {"data", "field"}:
             raise _bad(f"field {key!r} must be a map with exactly 'data' and 'field'")
-        dtype, shape, data = _tensor(key, elem["data"], limits)
-        tensors[key] = (dtype, shape, data)
-        fields[key] = _field(key, elem["field"], len(shape))
-    return DecodedKwargs(tensors, fields, raw)
+        if elem["data"] is None:
+            raise _bad(f"field {key!r} carries no data (cache-only elements are not accepted inline)")
+        value = values[key] = _value(key, elem["data"], limits)
+        if isinstance(value, tuple):
+            tensors[key] = value
+        # Non-tensor data has no rank: vLLM concatenates nested lists only along dim 0.
+        fields[key] = _field(key, elem["field"], len(value[1]) if isinstance(value, tuple) else None)
+    return DecodedKwargs(tensors, fields, raw, values)
 
 
-def _tensor(key: str, data: Any, limits: Limits) -> tuple[str, tuple[int, ...], memoryview]:
-    if data is None:
-        raise _bad(f"field {key!r} carries no data (cache-only elements are not accepted inline)")
-    if not (isinstance(data, list) and len(data) == 3 and isinstance(data[0], str)):
-        raise _bad(f"field {key!r}: only tensor data [dtype, shape, Ext(3)] is supported")
+def _value(key: str, data: Any, limits: Limits) -> Any:
+    """vLLM's NestedTensors rule (``_decode_nested_tensors``): a list whose first element is a str
+    is a tensor, any other list is a list of values; ints and floats stand for themselves."""
+    if isinstance(data, list):
+        if data and isinstance(data[0], str):
+            return _tensor(key, data, limits)
+        return [_value(key, v, limits) for v in data]
+    if isinstance(data, bool) or data is None:
+        raise _bad(f"field {key!r}: {data!r} is not a tensor, int, float or list")
+    if isinstance(data, int):
+        if not _I64[0] <= data <= _I64[1]:
+            raise _bad(f"field {key!r}: int data {data} is outside int64")
+        return data
+    if isinstance(data, float):
+        return data
+    if isinstance(data, memoryview):
+        raise _bad(f"field {key!r}: bare Ext({EXT_RAW_VIEW}) bytes without dtype and shape are not a tensor")
+    raise _bad(f"field {key!r}: {type(data).__name__} data is not a tensor [dtype, shape, Ext({EXT_RAW_VIEW})], "
+               f"an int, a float or a list")
+
+
+def _tensor(key: str, data: list, limits: Limits) -> tuple[str, tuple[int, ...], memoryview]:
+    if len(data) != 3:
+        raise _bad(f"field {key!r}: a tensor must be [dtype, shape, Ext({EXT_RAW_VIEW})]")
     dtype, shape, payload = data
     if dtype not in DTYPE_ITEMSIZE:
         raise _bad(f"field {key!r}: dtype {dtype!r} is not one of vLLM's {len(DTYPE_ITEMSIZE)} dtypes")
@@ -232,7 +292,7 @@ def _slice(entry: Any, key: str) -> slice:
     return slice(start, stop, step)
 
 
-def _field(key: str, field: Any, rank: int) -> FieldConfig:
+def _field(key: str, field: Any, rank: int | None) -> FieldConfig:
     if not (isinstance(field, list) and len(field) == 2 and isinstance(field[0], str) and isinstance(field[1], dict)):
         raise _bad(f"field {key!r}: field must be [name, {{kwargs}}]")
     name, kw = field
@@ -253,14 +313,19 @@ def _field(key: str, field: Any, rank: int) -> FieldConfig:
             raise _bad(f"field {key!r}: shared batch_size must be a positive int")
         return FieldConfig("shared", keep, batch_size=bs)
     dim = kw.get("dim", 0)
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -max(rank, 1) <= dim < max(rank, 1):
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise _bad(f"field {key!r}: flat dim must be an int, got {dim!r}")
+    if rank is None and dim != 0:
+        raise _bad(f"field {key!r}: flat dim {dim} on non-tensor data (only dim 0 is allowed)")
+    if rank is not None and not -max(rank, 1) <= dim < max(rank, 1):
         raise _bad(f"field {key!r}: flat dim {dim!r} outside the tensor's rank {rank}")
     slices = kw.get("slices")
     if not isinstance(slices, list):
         raise _bad(f"field {key!r}: flat slices must be a list")
     out = []
     for entry in slices:
-        if isinstance(entry, list) and entry and all(isinstance(e, list) for e in entry):
+        # vLLM's rule: an entry whose first element is a list is a tuple of slices (dim > 0); [] is ().
+        if isinstance(entry, list) and (not entry or isinstance(entry[0], list)):
             out.append(tuple(_slice(e, key) for e in entry))
         else:
             out.append(_slice(entry, key))
@@ -268,17 +333,44 @@ def _field(key: str, field: Any, rank: int) -> FieldConfig:
 
 
 def encode_kwargs_item(tensors: Mapping[str, Any], fields: Mapping[str, FieldConfig] | None = None) -> bytes:
-    """vLLM's inline MessagePack of one kwargs item (keys sorted, all tensor data as Ext(3))."""
+    """vLLM's all-inline MessagePack of one kwargs item, keys in ``tensors``' own order (vLLM keeps
+    the item's dict order; sort first for a canonical form). Values: ndarray, CPU torch tensor,
+    ``(dtype, shape, buffer)``, int, float or a list/tuple of these; ``fields`` default to batched."""
     fields = fields or {}
-    item = {}
-    for key in sorted(tensors):
-        value = tensors[key]
-        if isinstance(value, tuple):
-            dtype, shape, buf = value
-            data = bytes(memoryview(buf).cast("B"))
-        else:
-            flat, dtype, shape = as_byte_array(value)
-            data = flat.tobytes()
-        item[key] = {"data": [dtype, list(shape), msgpack.ExtType(EXT_RAW_VIEW, data)],
-                     "field": (fields.get(key) or FieldConfig()).to_wire()}
+    item = {key: {"data": _wire_value(key, value), "field": (fields.get(key) or FieldConfig()).to_wire()}
+            for key, value in tensors.items()}
     return msgpack.packb(item, use_bin_type=True)
+
+
+def _wire_value(key: str, value: Any) -> Any:
+    if isinstance(value, tuple) and value and isinstance(value[0], str):  # (dtype, shape, buffer)
+        if len(value) != 3:
+            raise InvalidArgument(f"kwargs[{key!r}]: a tuple tensor must be (dtype, shape, buffer)")
+        return _wire_tensor(key, *value)
+    if isinstance(value, np.ndarray) or type(value).__module__.startswith("torch"):
+        flat, dtype, shape = as_byte_array(value)
+        return [dtype, list(shape), msgpack.ExtType(EXT_RAW_VIEW, flat.tobytes())]
+    if isinstance(value, bool) or value is None:
+        raise InvalidArgument(f"kwargs[{key!r}]: {value!r} is not a tensor, int, float or list")
+    if isinstance(value, int):
+        if not _I64[0] <= value <= _I64[1]:
+            raise InvalidArgument(f"kwargs[{key!r}]: int {value} is outside int64")
+        return int(value)
+    if isinstance(value, float):
+        return float(value)  # msgpack float64, as vLLM's msgspec writes every Python float
+    if isinstance(value, (list, tuple)):
+        return [_wire_value(key, v) for v in value]
+    raise InvalidArgument(f"kwargs[{key!r}] must be a tensor, (dtype, shape, buffer), int, float or list, "
+                          f"got {type(value).__name__}")
+
+
+def _wire_tensor(key: str, dtype: Any, shape: Any, buf: Any) -> list:
+    dtype = dtype_name(dtype)
+    try:
+        dims = [int(d) for d in shape]
+        view = memoryview(buf).cast("B")
+    except TypeError:
+        raise InvalidArgument(f"kwargs[{key!r}]: needs a shape of ints and a C-contiguous buffer") from None
+    if any(d < 0 for d in dims) or view.nbytes != math.prod(dims) * DTYPE_ITEMSIZE[dtype]:
+        raise InvalidArgument(f"kwargs[{key!r}]: {view.nbytes} bytes do not make {dtype}{dims}")
+    return [dtype, dims, msgpack.ExtType(EXT_RAW_VIEW, view.tobytes())]

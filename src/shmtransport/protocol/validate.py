@@ -282,6 +282,7 @@ def validate_request(req: fpb.MultimodalRequest, limits: Limits = DEFAULT_LIMITS
                 if inline_bytes > limits.max_inline_bytes:  # checked before decoding
                     raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes)
                 decoded = decode_kwargs_item(it.kwargs_msgpack, limits)
+                decoded.require_tensors(where)  # the worker hands the model tensors only
                 for key, (dtype, shape, data) in decoded.tensors.items():
                     tensors[key] = CheckedTensor(dtype, shape, memoryview(data).nbytes, "msgpack", data)
                 fields = dict(decoded.fields)

