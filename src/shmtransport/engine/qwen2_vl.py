@@ -49,6 +49,21 @@ class Prompt:
     token_ids: list[int]
     features: list[FeatureItem]
 
+    def variant(self, k: int) -> "Prompt":
+        """The same request with different pixel content (the first two values of every item's
+        pixels encode ``k``), so its identities are new: vLLM answers a repeated identity from its
+        encoder cache, which would hide the transport in a measurement."""
+        features = []
+        for f in self.features:
+            kwargs = dict(f.kwargs)
+            for key, field in f.fields.items():
+                if field.kind == "flat":
+                    pixels = kwargs[key].copy()
+                    pixels.reshape(-1)[:2] = (k % 256, k // 256 % 256)
+                    kwargs[key] = pixels
+            features.append(dataclasses.replace(f, kwargs=kwargs))
+        return Prompt(list(self.token_ids), features)
+
 
 class Qwen2VLRenderer:
     """The real Qwen2-VL image and video processors of a model directory (no hub access)."""
