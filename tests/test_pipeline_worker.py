@@ -275,10 +275,17 @@ def test_frontend_sigkill_mid_request(stack):
     assert stack.settled()
 
 
-def test_demo_quick_runs_clean():
+@pytest.mark.parametrize("worker", [
+    "reference",
+    pytest.param("vllm", marks=pytest.mark.timeout(900)),  # two vLLM engines start side by side
+])
+def test_demo_quick_runs_clean(worker):
+    """``make demo`` (vLLM's engine by default) and the reference-worker demo: every path agrees,
+    nothing is left in /dev/shm."""
     before = {n for n in os.listdir("/dev/shm") if n.startswith("shmtdemo")}
-    proc = subprocess.run([sys.executable, "-m", "shmtransport.demo", "--quick"], capture_output=True, text=True,
-                          timeout=150)
+    proc = subprocess.run([sys.executable, "-m", "shmtransport.demo", "--quick", "--worker", worker],
+                          capture_output=True, text=True, timeout=150 if worker == "reference" else 840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "leftovers: none" in proc.stdout
+    assert "DIFF" not in proc.stdout
     assert {n for n in os.listdir("/dev/shm") if n.startswith("shmtdemo")} <= before

@@ -3,7 +3,9 @@
 vLLM's CPU backend always runs three processes (API/servicer, EngineCore, Worker) and ~400 MB of its
 own ``psm_*`` buffers in /dev/shm, freed on a clean exit. The server is started in a process group
 of its own so that stopping it (SIGTERM, then SIGKILL after a grace period) reaches every process
-it spawned; a partial teardown would leave processes and shared memory behind.
+it spawned; a partial teardown would leave processes and shared memory behind. The server's leader
+also gets SIGTERM when the process that started it dies (a killed demo or test run), and vLLM then
+shuts its engine processes down.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..errors import Unavailable
+from ..worker.process import die_with_parent
 from .environment import LOOPBACK, engine_environment
 
 # Sizes and switches for a tiny model on a 2-core CPU: eager mode (no graph capture), a small
@@ -65,7 +68,8 @@ class EngineServer:
         """Start the process tree without waiting (several servers can then start side by side)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, env=self._env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=die_with_parent)
         return self
 
     def start(self, timeout_s: float = 300.0) -> "EngineServer":

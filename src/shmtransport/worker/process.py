@@ -1,6 +1,7 @@
 """Run the daemon and the worker server as child processes (demo, tests, benchmarks)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -13,6 +14,16 @@ import time
 # worker shares with the frontend (tests, benchmarks, the demo) that spinning steals the cores the
 # frontend copies with. A variable already set in the environment wins.
 _WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when the process that started it dies, however it dies
+    (a killed demo or test run must not leave a daemon or an engine running)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _wait_ready(proc: subprocess.Popen, what: str, timeout_s: float) -> str:
@@ -36,7 +47,8 @@ def start_daemon_process(socket_path: str, arena_nbytes: int, name_prefix: str,
                          timeout_s: float = 30.0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "shmtransport", "daemon", "--socket", socket_path,
            "--arena-size", str(arena_nbytes), "--name-prefix", name_prefix, "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
     _wait_ready(proc, "shmtransportd", timeout_s)
     return proc
 
@@ -71,7 +83,7 @@ class WorkerProcess:
         if allow_segment_pread:
             cmd.append("--allow-segment-pread")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**_WORKER_ENV, **os.environ, **(env or {})})
+                                     env={**_WORKER_ENV, **os.environ, **(env or {})}, preexec_fn=die_with_parent)
         self.ready_line = _wait_ready(self.proc, "shmtransport worker", timeout_s)
 
     @property
