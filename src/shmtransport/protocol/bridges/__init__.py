@@ -3,7 +3,8 @@
 - ``vllm_grpc``: vLLM's own ``package vllm`` schema (``proto/vllm/inference.proto``): features
   re-inlined as kwargs MessagePack with the grpc-mm identity, proto3 "zero = unset" rules enforced.
 - ``smg``: SMG / ``vllm serve --grpc`` (``smg_grpc_proto`` ``vllm.grpc.engine.GenerateRequest``):
-  per-modality batched tensors (inline).
+  one batch per modality with SMG's batched / flat (``flat_keys`` + sizes tensor) / shared layouts,
+  tensors inline or as ShmHandles of dedicated segments, checked against SMG's real reader.
 - ``capabilities``: the ``ServerInfo`` we advertise (shm namespace, identity schemes, limits).
 
 Both request bridges reject, with a message naming the control, what the target cannot represent.
