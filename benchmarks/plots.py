@@ -387,18 +387,14 @@ def plot_kernels(plt, report: dict) -> dict[str, Any]:
     return figs
 
 
-def plot_pipeline(plt, report: dict) -> dict[str, Any]:
-    rows = [r for r in report["rows"] if r["name"] == "handoff"]
-    if not rows:
-        return plot_generic(plt, report)
+def _bars_by_kind(plt, rows: list, colors: dict, ylabel: str, title: str, note: str):
+    """Grouped bars: one group per request kind, one bar per path (median, log scale)."""
     kinds = list(dict.fromkeys(r["params"]["kind"] for r in rows))
     paths = list(dict.fromkeys(r["params"]["path"] for r in rows))
     value = {(r["params"]["kind"], r["params"]["path"]): r["median_s"] for r in rows}
     nbytes = {r["params"]["kind"]: r["params"].get("nbytes") for r in rows}
     fig, ax = plt.subplots(figsize=(12, 6.2))
     width = 0.8 / len(paths)
-    colors = {"inline": "tab:gray", "segment_pread": "tab:orange", "shm": "tab:blue", "shm_loan": "tab:green",
-              "shm_noverify": "tab:cyan"}
     for j, path in enumerate(paths):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(kinds))]
         ys = [value.get((k, path)) for k in kinds]
@@ -406,13 +402,40 @@ def plot_pipeline(plt, report: dict) -> dict[str, Any]:
     ax.set_xticks(range(len(kinds)))
     ax.set_xticklabels([f"{k}\n({fmt_bytes(nbytes[k])})" if nbytes.get(k) else k for k in kinds])
     _log_seconds_axis(ax, "y")
-    ax.set_ylabel("median handoff: frontend done -> worker has the tensors (log scale)")
+    ax.set_ylabel(ylabel)
     ax.set_xlabel("request kind (tensor bytes per request)")
     ax.legend(fontsize=9, title="path")
-    _finish(fig, ax, "pipeline: frontend -> worker handoff per request kind",
-            "inline: tensors in the gRPC request; segment_pread: a /dev/shm file per tensor; shm: put; shm_loan: "
-            "the renderer writes into a loan. " + _machine(report))
-    return {"handoff": fig}
+    _finish(fig, ax, title, note)
+    return fig
+
+
+def plot_pipeline(plt, report: dict) -> dict[str, Any]:
+    rows = [r for r in report["rows"] if r["name"] == "handoff"]
+    if not rows:
+        return plot_generic(plt, report)
+    colors = {"inline": "tab:gray", "segment_pread": "tab:orange", "shm": "tab:blue", "shm_loan": "tab:green",
+              "shm_noverify": "tab:cyan"}
+    return {"handoff": _bars_by_kind(
+        plt, rows, colors, "median handoff: frontend done -> worker has the tensors (log scale)",
+        "pipeline: frontend -> worker handoff per request kind",
+        "inline: tensors in the gRPC request; segment_pread: a /dev/shm file per tensor; shm: put; shm_loan: "
+        "the renderer writes into a loan. " + _machine(report))}
+
+
+def plot_engine(plt, report: dict) -> dict[str, Any]:
+    colors = {"ours": "tab:green", "stock-shm": "tab:orange", "stock-inline": "tab:gray"}
+    what = {"first_token": "new pixels (vLLM runs its vision encoder)",
+            "first_token_repeat": "repeated pixels (vLLM's encoder cache answers: transport + text prefill)"}
+    figs = {}
+    for name, label in what.items():
+        rows = [r for r in report["rows"] if r["name"] == name]
+        if rows:
+            figs[name] = _bars_by_kind(
+                plt, rows, colors, "median: renderer output -> first token (log scale)",
+                f"engine: vLLM's real engine, {label}",
+                "ours: shmtransport vllm-worker (zero-copy arena views); stock-shm / stock-inline: vLLM's stock "
+                "gRPC server (SMG servicer) with ShmHandles / inline bytes. " + _machine(report))
+    return figs or plot_generic(plt, report)
 
 
 def plot_remote(plt, report: dict) -> dict[str, Any]:
@@ -451,7 +474,7 @@ def plot_generic(plt, report: dict) -> dict[str, Any]:
 
 
 PLOTTERS = {"transport": plot_transport, "scale": plot_scale, "kernels": plot_kernels, "pipeline": plot_pipeline,
-            "remote": plot_remote}
+            "remote": plot_remote, "engine": plot_engine}
 
 
 def write_plots(report_json: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
