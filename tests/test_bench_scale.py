@@ -244,11 +244,14 @@ def _sample_reports() -> list[dict]:
                 for p, t in (("shm", 7e-3), ("inline", 26e-3), ("segment_pread", 8e-3))]
     remote = [_row(n, t * s / MiB, nbytes=s, size=str(s)) for n, t in (("nixl_remote_read", 1e-3),
                                                                         ("grpc_inline", 2e-3)) for s in sizes]
+    engine = [_row(name, t, kind=k, path=p, nbytes=n) for name in ("first_token", "first_token_repeat")
+              for k, n in (("image", 5 * MiB), ("video", 2 * MiB))
+              for p, t in (("ours", 3e-2), ("stock-shm", 9e-2), ("stock-inline", 8e-2))]
     other = [_row("something", 1e-3, kind="a"), _row("something", 2e-3, kind="b")]
     machine = {"cpus": 2, "platform": "test", "python": "3.11"}
     out = []
     for suite, rows in (("transport", transport), ("scale", scale_rows), ("kernels", kernels),
-                        ("pipeline", pipeline), ("remote", remote), ("future_suite", other)):
+                        ("pipeline", pipeline), ("remote", remote), ("engine", engine), ("future_suite", other)):
         out.append({"suite": suite, "machine": machine, "rows": rows,
                     "ratios": {"inline_crossover_nbytes_standalone": 900_000.0} if suite == "scale" else {},
                     "curves": {}, "notes": []})
@@ -266,6 +269,7 @@ def test_write_plots_writes_non_empty_pngs_for_every_suite_shape(tmp_path):
         "kernels": {"kernels_gbps.png", "kernels_masks.png"},
         "pipeline": {"pipeline_handoff.png"},
         "remote": {"remote_latency_vs_size.png"},
+        "engine": {"engine_first_token.png", "engine_first_token_repeat.png"},
         "future_suite": {"future_suite_rows.png"},
     }
     paths = []
