@@ -1,4 +1,4 @@
-"""The one entry point for every performance claim (DESIGN.md §9).
+"""The one entry point for every performance claim.
 
     python benchmarks/run.py SUITE [--quick] [--json PATH]
 

@@ -1,4 +1,4 @@
-"""is_embed masks (DESIGN.md section 5) and vLLM ``PlaceholderRange`` semantics over them.
+"""is_embed masks and vLLM ``PlaceholderRange`` semantics over them.
 
 A placeholder ``(offset, length)`` spans the prompt positions of one item; ``is_embed`` marks the
 positions that receive encoder embeddings. On the wire the mask is packed bits + a bit count

@@ -1,4 +1,4 @@
-"""Content identity of one multimodal item (DESIGN.md section 4).
+"""Content identity of one multimodal item.
 
 An identity is ``"{scheme}:{hex}"``. For the ``xxh3-128`` and ``blake3`` schemes it is computed in
 two levels, so the producer can fuse hashing into its copy into shared memory and the worker can
