@@ -46,7 +46,7 @@ _log = logging.getLogger("shmtransport.vllm_worker")
 _FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
 
 
-def vllm_field(config, modality: str):
+def vllm_field(config):
     """Our FieldConfig -> vLLM's field object (the one an item's element carries)."""
     from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFlatField, MultiModalSharedField
 
@@ -67,7 +67,7 @@ def engine_prompt(prompt_token_ids: list[int], inputs) -> dict[str, Any]:
     placeholders: dict[str, list] = {}
     for modality, kw_list in inputs.mm_kwargs.items():
         items[modality] = [
-            MultiModalKwargsItem({key: MultiModalFieldElem(data=tensor, field=vllm_field(fields[key], modality))
+            MultiModalKwargsItem({key: MultiModalFieldElem(data=tensor, field=vllm_field(fields[key]))
                                   for key, tensor in kw.items()})
             for kw, fields in zip(kw_list, inputs.mm_fields[modality])
         ]
@@ -121,7 +121,7 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
         finally:
             inputs.consumed()  # deferred by the client until vLLM drops its last view of the bytes
 
-    async def _outputs(self, request: gpb.GenerateRequest, context):
+    async def _outputs(self, request: gpb.GenerateRequest):
         loop = asyncio.get_running_loop()
         prompt, params = await loop.run_in_executor(None, self._prepare, request)
         request_id = request.request_id or f"shmt-{id(request):x}"
@@ -132,7 +132,7 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
         first = True
         total = 0
         try:
-            async for out, n_prompt in self._outputs(request, context):
+            async for out, n_prompt in self._outputs(request):
                 completion = out.outputs[0]
                 chunk = _chunk(completion, params_logprobs=request.sampling.HasField("logprobs"))
                 total += len(completion.token_ids)
