@@ -448,13 +448,18 @@ def test_uid_outside_the_allowlist_cannot_connect(make_daemon):
 def test_a_client_gone_during_the_handshake_leaves_no_session_behind(served):
     import socket
 
-    for _ in range(20):
+    before = served.stat().sessions_total
+    for i in range(20):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(TIMEOUT_S)
         sock.connect(served.socket_path + ".session")
-        sock.close()  # gone before reading the hello
+        if i % 2:
+            sock.sendall(b'{"access": "ro"}\n')  # asked for a session, gone before the hello
+        sock.close()
     try:
-        wait_until(lambda: served.stat().sessions_total >= 20, timeout_s=5, what="daemon saw the handshakes")
+        wait_until(lambda: served.stat().sessions_total >= before + 10, timeout_s=5, what="daemon saw the requests")
         wait_until(lambda: not served.stat().clients, timeout_s=2, what="no session left")
     except TimeoutError:
         pytest.fail(f"{len(served.stat().clients)} ghost sessions left by 20 aborted handshakes")
+    with Consumer(served.socket_path, timeout_s=TIMEOUT_S) as consumer:  # and the daemon still serves
+        assert consumer.stat().sessions_total >= before + 11

@@ -370,23 +370,51 @@ def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(daemon)
         del l1, l2
 
 
-def test_lease_ttl_expiry_reclaims_the_lease_and_then_the_bytes(daemon):
+def test_an_expired_lease_of_a_live_client_is_quarantined_never_reused_until_released(daemon):
+    """A lease past its TTL may still back a view: its bytes stay (reported), not reused under it."""
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
-        handle = producer.put(np.arange(4096, dtype=np.uint8))
+        data = np.arange(4096, dtype=np.uint8)
+        handle = producer.put(data)
         lease = consumer.acquire(handle, ttl_ms=100)
+        view = lease.array
         producer.release(handle, wait=True)
-        assert daemon.stat().live_leases == 1
-        s = wait_stat(daemon, lambda s: s.live_leases == 0, timeout_s=3, what="lease expired")
-        assert s.reclaimed_ttl_leases == 1 and s.reclaimed_ttl_nbytes >= 4096
-        assert s.used_nbytes == 0 and s.live_objects == 0
-        # The client learns of the expiry when its release reaches the daemon: refused as already
-        # released or expired, not silently.
-        with pytest.raises(StateError) as info:
-            consumer.release_many([lease], wait=True)
-        assert info.value.reason is Reason.DOUBLE_RELEASE
-        del lease, info  # the traceback references the lease
+        s = wait_stat(daemon, lambda s: s.quarantined_leases == 1, timeout_s=3, what="lease quarantined")
+        assert s.live_leases == 1 and s.live_objects == 1 and s.quarantined_nbytes >= 4096
+        assert s.reclaimed_ttl_leases == 0 and s.quarantined_leases_total == 1
+        # Fill the arena: none of the new loans may land on the quarantined bytes.
+        loans = []
+        with pytest.raises(ResourceExhausted):
+            while True:
+                loans.append(producer.loan(4096))
+                loans[-1].array[:] = 0xFF
+        assert np.array_equal(view, data)
+        for loan in loans:
+            loan.release()
+        del view
+        consumer.release_many([lease], wait=True)  # a quarantined lease releases like any other
+        s = wait_stat(daemon, lambda s: s.live_leases == 0 and s.used_nbytes == 0, timeout_s=3, what="released")
+        assert s.quarantined_leases == 0
+
+
+def _hold_past_ttl(conn, socket_path, handle_bytes):
+    consumer = Consumer(socket_path, timeout_s=TIMEOUT_S)
+    lease = consumer.acquire(Handle.from_bytes(handle_bytes), ttl_ms=50)
+    conn.send(lease.lease_id)
+    conn.recv()
+
+
+def test_an_expired_lease_is_reclaimed_when_its_client_dies(daemon):
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.arange(4096, dtype=np.uint8))
+        with BlockingChild(_hold_past_ttl, daemon.socket_path, handle.to_bytes()) as child:
+            child.recv()
+            producer.release(handle, wait=True)
+            wait_stat(daemon, lambda s: s.quarantined_leases == 1, timeout_s=3, what="lease quarantined")
+            child.kill()
+        s = wait_stat(daemon, lambda s: s.live_leases == 0 and s.used_nbytes == 0, timeout_s=5, what="reclaimed")
+        assert s.quarantined_leases == 0 and s.reclaimed_death_leases == 1
 
 
 def test_hold_ms_keeps_a_committed_object_alive_after_producer_release_until_it_expires(daemon):
@@ -531,41 +559,46 @@ def test_loan_on_a_full_arena_waits_for_space_freed_by_another_client(make_daemo
     assert daemon.stat().used_nbytes == 0
 
 
-def test_session_byte_quota_raises_quota_exceeded_for_that_session_only(make_daemon):
+def test_the_byte_quota_belongs_to_the_tenant_so_more_sessions_do_not_evade_it(make_daemon):
     daemon = make_daemon(quota_nbytes=1 * MiB)
-    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p1, Producer(
-        daemon.socket_path, timeout_s=TIMEOUT_S
-    ) as p2:
-        a = p1.loan(512 * KiB)
-        b = p1.loan(512 * KiB)
-        with pytest.raises(ResourceExhausted) as info:
-            p1.loan(1)
-        assert info.value.reason is Reason.QUOTA_EXCEEDED
-        c = p2.loan(1 * MiB)  # another session has its own quota
+    producers = [Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) for _ in range(4)]
+    try:
+        a = producers[0].loan(512 * KiB)
+        b = producers[1].loan(512 * KiB)
+        for producer in producers:  # every further session of the tenant meets the same quota
+            with pytest.raises(ResourceExhausted) as info:
+                producer.loan(1)
+            assert info.value.reason is Reason.QUOTA_EXCEEDED
         a.release()
-        d = p1.loan(256 * KiB)  # room again after a release
-        for loan in (b, c, d):
+        producers[0].flush()
+        d = producers[3].loan(256 * KiB)  # room again after a release
+        for loan in (b, d):
             loan.release()
-        del a, b, c, d, loan
+        del a, b, d, loan, info
+    finally:
+        for producer in producers:
+            producer.close()
 
 
-def test_session_lease_quota_raises_quota_exceeded_and_recovers(make_daemon):
+def test_the_lease_quota_belongs_to_the_tenant_and_recovers(make_daemon):
     daemon = make_daemon(quota_leases=2)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
-    ) as consumer:
+    ) as consumer, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as other:
         handle = producer.put(np.zeros(10, dtype=np.uint8))
         leases = consumer.acquire_many([handle, handle])
-        with pytest.raises(ResourceExhausted) as info:
-            consumer.acquire(handle)
-        assert info.value.reason is Reason.QUOTA_EXCEEDED
+        for client in (consumer, other):
+            with pytest.raises(ResourceExhausted) as info:
+                client.acquire(handle)
+            assert info.value.reason is Reason.QUOTA_EXCEEDED
         with pytest.raises(ResourceExhausted):
             consumer.acquire_many([handle] * 3)
-        leases[0].release()
-        leases.append(consumer.acquire(handle))
-        consumer.release_many(leases)
+        consumer.release_many(leases[:1], wait=True)
+        leases[1:1] = [other.acquire(handle)]
+        consumer.release_many(leases[2:])
+        other.release_many(leases[1:2])
         producer.release(handle)
-        del leases
+        del leases, info
 
 
 # -- views and leases ----------------------------------------------------------------------------

@@ -52,7 +52,8 @@ class Walk:
     def open_session(self) -> None:
         session_id = f"s{self.opened}"
         self.opened += 1
-        self.registry.open_session(session_id, pid=1000 + self.opened, uid=0)
+        # A third of the sessions stand for remote peers, whose expired leases are reclaimed, not quarantined.
+        self.registry.open_session(session_id, pid=1000 + self.opened, uid=0, quarantine_expired=self.opened % 3 != 0)
         self.sessions.append(session_id)
 
     def step(self) -> None:
@@ -150,6 +151,13 @@ def check_counters(registry: Registry) -> None:
         assert session.owned_nbytes == sum(expected[session_id])
         referenced = {key for key, obj in registry._objects.items() if obj.producer_ref and obj.owner == session_id}
         assert session.producer_refs == referenced
+    dedicated = sum(obj.nbytes for obj in registry._objects.values() if obj.segment is not None)
+    assert registry.used_nbytes == registry.allocator.used_nbytes + dedicated
+    quarantined = [lease for lease in registry._leases.values() if lease.quarantined]
+    stat = registry.stat()
+    assert stat.quarantined_leases == len(quarantined) and stat.dedicated_nbytes == dedicated
+    assert stat.quarantined_nbytes == sum(registry._objects[lease.offset].nbytes for lease in quarantined)
+    assert all(registry._sessions[lease.session_id].quarantine_expired for lease in quarantined)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -159,9 +167,12 @@ def test_stat_byte_counts_equal_a_recount_of_live_allocations_after_every_random
         for _ in range(STEPS):
             walk.step()
             check_counters(walk.registry)
+        walk.registry.expire(now=time.monotonic() + 100 * MAX_TTL_MS / 1000)  # every lease left expires
+        check_counters(walk.registry)
         reclaimed = walk.registry.counters
         assert set(walk.succeeded) == {"loan", "commit", "acquire", "release_refs", "release_leases", "die", "expire"}
-        assert reclaimed["reclaimed_ttl_leases"] and reclaimed["reclaimed_death_refs"], "the walk missed a reclaim"
+        assert reclaimed["reclaimed_ttl_leases"] + reclaimed["quarantined_leases_total"], "no lease expired"
+        assert reclaimed["reclaimed_death_refs"], "the walk missed a reclaim"
         assert reclaimed["dedicated_total"], "the walk made no dedicated loan"
     finally:
         walk.close()
@@ -181,5 +192,27 @@ def test_stat_byte_counts_follow_one_object_through_loan_commit_lease_and_releas
         assert reported_nbytes(registry)["s0"] == (0, 128)
         registry.release("s0", response.handles, [])
         assert reported_nbytes(registry)["s0"] == (0, 0) and registry.stat().live_objects == 2  # lease, hold
+    finally:
+        walk.close()
+
+
+def test_an_expired_lease_is_quarantined_for_a_local_client_and_reclaimed_for_a_remote_peer():
+    walk = Walk(seed=0)
+    registry = walk.registry
+    try:
+        registry.open_session("local", pid=1, uid=0)
+        registry.open_session("remote", pid=0, uid=0, quarantine_expired=False)
+        response = registry.loan("local", [4096, 4096])
+        registry.commit("local", response.handles, hold_ms=0)
+        local, = registry.acquire("local", response.handles[:1], ttl_ms=10)
+        registry.acquire("remote", response.handles[1:], ttl_ms=10)
+        registry.release("local", response.handles, [])
+        registry.expire(now=time.monotonic() + 1)
+        stat = registry.stat()
+        assert (stat.live_leases, stat.quarantined_leases, stat.reclaimed_ttl_leases) == (1, 1, 1)
+        assert stat.live_objects == 1 and stat.quarantined_nbytes == 4096
+        registry.release("local", [], [local])  # a quarantined lease releases like any other
+        assert registry.stat().live_objects == 0 and registry.stat().quarantined_leases == 0
+        check_counters(registry)
     finally:
         walk.close()

@@ -41,7 +41,7 @@ def test_handle_names_its_own_segment_and_reader_may_unlink(daemon):
     with Producer(daemon.socket_path, timeout_s=10) as producer:
         h = producer.put(arr, hash=True, dedicated=True)
         prefix = daemon.segment_names[0].rsplit("-", 1)[0]
-        assert re.fullmatch(re.escape(prefix) + r"-obj\d+", h.shm.name)
+        assert re.fullmatch(re.escape(prefix) + r"-obj\d+-[0-9a-f]{8}", h.shm.name)
         assert h.shm.offset == 0 and h.shm.nbytes == arr.nbytes
         assert os.path.exists(os.path.join(SHM, h.shm.name))
         assert h.shm.name in daemon.segment_names

@@ -1,16 +1,23 @@
-"""The daemon's book of who holds which bytes: allocations, leases, sessions, TTLs and quotas.
+"""One tenant's book of who holds which bytes: allocations, leases, sessions, TTLs and quotas.
 
 Lifetime (DESIGN §3): a producer ``loan``s (the allocation is owned by its session, writable, not
 visible), ``commit``s (sealed; consumers may ``acquire`` leases), and ``release``s its reference.
 Bytes go back to the allocator when no producer reference, no lease and no hold remain. A session
-that dies loses every reference and lease it held; leases and holds also expire by TTL.
+that dies loses every reference and lease it held. Holds expire by TTL. A lease that outlives its
+TTL while its session is alive is *quarantined*, not freed: the client may still hold a view of the
+bytes, so they are never reused under it; it is reported (log, Stat) and its bytes are freed when it
+is released or its session dies.
+
+Each tenant (an allowed uid or group) has its own Registry, arena and quotas; a handle of another
+tenant's segment is refused, so tenants can neither read nor pin each other's bytes.
 
 Handles are checked against the allocation that currently lives at their offset: same instance,
 segment, offset, size and generation, or the call is refused. Generations are never reused, so a
 handle to freed or re-allocated bytes is always detected (no ABA).
 
 All methods take the one registry lock; none blocks or does I/O under it, except freeing a
-dedicated segment (one unlink + close; creating them happens outside the lock).
+dedicated segment (one unlink + close; creating them happens outside the lock). A call waiting for
+a commit waits on the objects it names only: a commit wakes its own waiters, never rescans others.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ import enum
 import heapq
 import hmac
 import itertools
+import logging
+import re
 import secrets
 import threading
 import time
@@ -37,9 +46,11 @@ from ..errors import (
 )
 from ..v1 import daemon_pb2 as pb
 from .allocator import Allocator
-from .segments import Segment
+from .segments import Segment, ShmReserve
 
+_log = logging.getLogger("shmtransport.daemon")
 _RATE_WINDOW_S = 5.0
+_HOLD, _LEASE = 0, 1  # kinds of TTL deadlines
 MAX_BATCH = 4096  # entries in one Loan/Commit/Acquire/Release; clients split larger ones
 
 
@@ -53,6 +64,9 @@ class Session:
     session_id: str
     pid: int
     uid: int
+    # Local clients may hold views of leased bytes past the TTL: quarantine those. A remote peer
+    # has no view (it copies the bytes out), so its expired leases are simply reclaimed.
+    quarantine_expired: bool = True
     # Bytes of the allocations this session holds a producer reference to, by their state. Kept
     # at every transition (loan, commit, release, reclaim) so that Stat and the quota check cost
     # O(1) per session instead of a walk over its objects under the registry lock.
@@ -90,27 +104,55 @@ class Lease:
     generation: int
     session_id: str
     expires_at: float
+    quarantined: bool = False  # outlived its TTL; its bytes stay until release or session death
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    quota_nbytes: int  # per session, bytes held by producer references
-    quota_leases: int  # per session
+    quota_nbytes: int | None  # per tenant: arena + dedicated bytes; None: the arena size
+    quota_leases: int  # per tenant
     default_lease_ttl_ms: int
     max_lease_ttl_ms: int
     default_hold_ms: int
+    max_hold_ms: int = 60_000
     max_batch: int = MAX_BATCH
 
 
+class _CommitWaiter:
+    """One Acquire waiting for commits: woken only by the commit of an object it names."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+
 class Registry:
-    def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: Limits):
+    def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: Limits,
+                 shm_reserve: ShmReserve | None = None, segment_owner: tuple[int, int] | None = (-1, -1),
+                 tenant: str = ""):
+        """``segment_name``: this tenant's arena, ``{prefix}-{instance}-{tenant}-arena``; its dedicated
+        segments are ``{prefix}-{instance}-{tenant}-obj{generation}-{random}``. ``shm_reserve``: the
+        daemon-wide /dev/shm budget dedicated segments are created under; ``segment_owner``: the
+        (uid, gid) they are handed to (-1: keep the daemon's), so the tenant can open them by name;
+        None: this tenant cannot be given any (a daemon that is not root cannot hand files over)."""
         self.instance_id = instance_id
+        self.tenant = tenant
         self.segment_name = segment_name
         self.allocator = allocator
         self.limits = limits
+        self.quota_nbytes = limits.quota_nbytes or allocator.nbytes
+        self._shm_reserve = shm_reserve or ShmReserve(0)
+        self._segment_owner = segment_owner
+        self._tenant_base = segment_name.rsplit("-", 1)[0]  # {prefix}-{instance}-{tenant}
+        instance_base = self._tenant_base.rsplit("-", 1)[0]  # {prefix}-{instance}
+        self._other_tenant_re = re.compile(rf"^{re.escape(instance_base)}-t[0-9]+-")
+        self._dedicated_re = re.compile(rf"^{re.escape(self._tenant_base)}-obj([0-9]+)-[0-9a-f]+$")
         self._lock = threading.Lock()
-        self._committed = threading.Condition(self._lock)  # notified on every commit
         self._freed = threading.Condition(self._lock)  # notified whenever bytes are freed
+        self._commit_waiters: dict[int, list[_CommitWaiter]] = {}  # object key -> waiting Acquires
+        self._dedicated_nbytes = 0
+        self._quarantined: dict[int, int] = {}  # lease id -> bytes, leases past their TTL
         self._objects: dict[int, Allocation] = {}  # offset (dedicated: -generation) -> allocation
         self._dedicated: dict[str, int] = {}  # dedicated segment name -> key in _objects
         self._leases: dict[int, Lease] = {}
@@ -124,19 +166,16 @@ class Registry:
         self.counters = collections.Counter()
 
     # -- sessions --------------------------------------------------------------------------------
-    def open_session(self, session_id: str, pid: int, uid: int) -> Session:
+    def open_session(self, session_id: str, pid: int, uid: int, quarantine_expired: bool = True) -> Session:
         with self._lock:
-            session = Session(session_id, pid, uid)
+            session = Session(session_id, pid, uid, quarantine_expired)
             self._sessions[session_id] = session
             self.counters["sessions_total"] += 1
             return session
 
-    def session(self, session_id: str) -> Session:
-        with self._lock:
-            session = self._sessions.get(session_id)
-        if session is None:
-            raise PermissionDenied("unknown or closed session: connect through the daemon's handshake")
-        return session
+    @property
+    def live_sessions(self) -> int:
+        return len(self._sessions)
 
     def close_session(self, session_id: str) -> None:
         """The client is gone (its session socket closed): drop everything it held."""
@@ -157,19 +196,16 @@ class Registry:
     def loan(self, session_id: str, sizes: Iterable[int], wait_s: float = 0.0) -> pb.LoanResponse:
         """Allocate every size (all or nothing). When the arena is full, wait up to ``wait_s`` for
         other clients to free space (back-pressure) before refusing with ARENA_FULL."""
-        sizes = list(sizes)
-        self._check_batch(sizes, "nbytes")
-        for nbytes in sizes:
-            if nbytes < 1:
-                raise InvalidArgument(f"nbytes must be >= 1, got {nbytes}")
+        sizes = self._sizes(sizes)
         with self._lock:
             session = self._live_session(session_id)
             total = sum(sizes)
-            self._check_quota(session, total)
             deadline = time.monotonic() + wait_s
             while True:
                 offsets: list[int] = []
                 try:
+                    if self.limits.quota_nbytes is not None:  # else the arena itself is the bound
+                        self._check_quota(total)
                     for nbytes in sizes:
                         offsets.append(self.allocator.allocate(nbytes))
                     break
@@ -177,7 +213,7 @@ class Registry:
                     for offset in offsets:
                         self.allocator.free(offset)
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0 or total > self.allocator.nbytes:
+                    if remaining <= 0 or total > min(self.allocator.nbytes, self.quota_nbytes):
                         self.counters["allocation_failures"] += 1
                         raise
                     self._freed.wait(remaining)
@@ -190,27 +226,34 @@ class Registry:
             return response
 
     def loan_dedicated(self, session_id: str, sizes: Iterable[int]) -> pb.LoanResponse:
-        """One new segment ``{prefix}-{instance}-obj{generation}`` per size (all or nothing). The
-        segments are created outside the lock; the quota is checked before and after."""
-        sizes = list(sizes)
-        self._check_batch(sizes, "nbytes")
-        for nbytes in sizes:
-            if nbytes < 1:
-                raise InvalidArgument(f"nbytes must be >= 1, got {nbytes}")
+        """One new segment per size (all or nothing), named with a random suffix so nobody can
+        plant a file under a future name. The bytes are reserved up front in the tenant's quota
+        (so concurrent loans cannot overshoot it) and the segments created outside the lock,
+        under the daemon-wide /dev/shm reserve."""
+        if self._segment_owner is None:
+            raise PermissionDenied(
+                "dedicated segments are opened by name, so a daemon not running as root can give them "
+                "only to its own uid; use arena loans, or run the daemon as root"
+            )
+        sizes = self._sizes(sizes)
         total = sum(sizes)
         with self._lock:
-            session = self._live_session(session_id)
-            self._check_quota(session, total)
+            self._live_session(session_id)
+            try:
+                self._check_quota(total)
+            except ResourceExhausted:
+                self.counters["allocation_failures"] += 1
+                raise
+            self._dedicated_nbytes += total
             first = self._next_generation
             self._next_generation += len(sizes)
-        base = self.segment_name.rsplit("-", 1)[0]
         segments: list[Segment] = []
         try:
             for i, nbytes in enumerate(sizes):
-                segments.append(Segment.create(f"{base}-obj{first + i}", nbytes))
+                name = f"{self._tenant_base}-obj{first + i}-{secrets.token_hex(4)}"
+                segments.append(self._shm_reserve.create(name, nbytes, *self._segment_owner))
             with self._lock:
                 session = self._live_session(session_id)
-                self._check_quota(session, total)
                 response = pb.LoanResponse()
                 for i, (nbytes, seg) in enumerate(zip(sizes, segments)):
                     gen = first + i
@@ -223,16 +266,32 @@ class Registry:
         except BaseException:
             for seg in segments:
                 seg.unlink()
+            with self._lock:
+                self._dedicated_nbytes -= total
+                self._freed.notify_all()
             raise
 
-    def _check_quota(self, session: Session, total: int) -> None:
-        if session.owned_nbytes + total > self.limits.quota_nbytes:
-            self.counters["allocation_failures"] += 1
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes counted against the tenant's quota: its arena allocations and dedicated segments."""
+        return self.allocator.used_nbytes + self._dedicated_nbytes
+
+    def _check_quota(self, total: int) -> None:
+        if self.used_nbytes + total > self.quota_nbytes:
             raise ResourceExhausted(
-                f"quota exceeded: session holds {session.owned_nbytes} bytes, asks {total} more, "
-                f"quota {self.limits.quota_nbytes}",
+                f"tenant quota exceeded: the tenant holds {self.used_nbytes} bytes (arena and dedicated "
+                f"segments), asks {total} more, quota {self.quota_nbytes}",
                 Reason.QUOTA_EXCEEDED,
             )
+
+    def _sizes(self, sizes: Sequence[int]) -> list[int]:
+        """Loan sizes, their count checked before anything is expanded."""
+        self._check_batch(sizes, "nbytes")
+        sizes = list(sizes)
+        for nbytes in sizes:
+            if nbytes < 1:
+                raise InvalidArgument(f"nbytes must be >= 1, got {nbytes}")
+        return sizes
 
     def dedicated_names(self) -> list[str]:
         with self._lock:
@@ -246,11 +305,11 @@ class Registry:
             seg.unlink()
 
     def commit(self, session_id: str, handles: Iterable[pb.Handle], hold_ms: int) -> None:
-        handles = list(handles)
         self._check_batch(handles, "handles")
+        handles = list(handles)
         hold_ms = hold_ms or self.limits.default_hold_ms
-        if hold_ms > self.limits.max_lease_ttl_ms:
-            raise InvalidArgument(f"hold_ms={hold_ms} exceeds the maximum {self.limits.max_lease_ttl_ms}")
+        if hold_ms > self.limits.max_hold_ms:
+            raise InvalidArgument(f"hold_ms={hold_ms} exceeds the maximum {self.limits.max_hold_ms}")
         with self._lock:
             self._live_session(session_id)
             objs = [self._resolve(h) for h in handles]
@@ -266,8 +325,7 @@ class Registry:
                 self._mark_committed(obj)
                 if until:
                     obj.hold_until = until
-                    heapq.heappush(self._deadlines, (until, 0, obj.offset))
-            self._committed.notify_all()
+                    heapq.heappush(self._deadlines, (until, _HOLD, obj.offset))
 
     # -- consumer side ---------------------------------------------------------------------------
     def acquire(
@@ -281,20 +339,20 @@ class Registry:
         """Leases on committed objects. A loan whose matching commit token is presented is committed
         here (commit by handoff); one whose commit has not arrived yet (producers commit without
         waiting for the reply) is waited for up to ``commit_wait_s``."""
-        handles = list(handles)
+        self._check_batch(handles, "handles")
         if commit_tokens and len(commit_tokens) != len(handles):
             raise InvalidArgument(f"{len(commit_tokens)} commit tokens for {len(handles)} handles")
-        self._check_batch(handles, "handles")
+        handles = list(handles)
         ttl_ms = ttl_ms or self.limits.default_lease_ttl_ms
         if ttl_ms > self.limits.max_lease_ttl_ms:
             raise InvalidArgument(f"ttl_ms={ttl_ms} exceeds the maximum {self.limits.max_lease_ttl_ms}")
         with self._lock:
             session = self._live_session(session_id)
             objs = self._wait_committed(handles, commit_tokens, commit_wait_s)
-            if len(session.leases) + len(objs) > self.limits.quota_leases:
+            if len(self._leases) + len(objs) > self.limits.quota_leases:
                 raise ResourceExhausted(
-                    f"lease quota exceeded: session holds {len(session.leases)} leases, "
-                    f"quota {self.limits.quota_leases}",
+                    f"tenant lease quota exceeded: the tenant holds {len(self._leases)} leases, asks "
+                    f"{len(objs)} more, quota {self.limits.quota_leases}",
                     Reason.QUOTA_EXCEEDED,
                 )
             expires_at = time.monotonic() + ttl_ms / 1000
@@ -305,7 +363,7 @@ class Registry:
                 self._leases[lease.lease_id] = lease
                 obj.leases.add(lease.lease_id)
                 session.leases.add(lease.lease_id)
-                heapq.heappush(self._deadlines, (expires_at, 1, lease.lease_id))
+                heapq.heappush(self._deadlines, (expires_at, _LEASE, lease.lease_id))
                 lease_ids.append(lease.lease_id)
             return lease_ids
 
@@ -317,24 +375,33 @@ class Registry:
         deadline = None  # the clock is read only when a commit is still missing
         while True:
             objs = [self._resolve(h) for h in handles]
-            handed_off = False
             for obj, token in zip(objs, commit_tokens):
                 if token and obj.state is ObjState.LOANED:
                     if not hmac.compare_digest(token, obj.commit_token):
                         raise HandleError(f"commit token does not match the loan at offset {obj.offset}")
                     self._mark_committed(obj)
-                    handed_off = True
-            if handed_off:  # acquires of the same loan without its token wait for this commit too
-                self._committed.notify_all()
-            pending = next((obj for obj in objs if obj.state is not ObjState.COMMITTED), None)
-            if pending is None:
+            pending = [obj for obj in objs if obj.state is not ObjState.COMMITTED]
+            if not pending:
                 return objs
             if deadline is None:
                 deadline = time.monotonic() + commit_wait_s
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StateError(f"object at offset {pending.offset} is not committed")
-            self._committed.wait(remaining)
+                raise StateError(f"object at offset {pending[0].offset} is not committed")
+            waiter = _CommitWaiter()
+            for obj in pending:
+                self._commit_waiters.setdefault(obj.offset, []).append(waiter)
+            self._lock.release()
+            try:
+                waiter.event.wait(remaining)
+            finally:
+                self._lock.acquire()
+                for obj in pending:
+                    waiters = self._commit_waiters.get(obj.offset)
+                    if waiters is not None and waiter in waiters:
+                        waiters.remove(waiter)
+                        if not waiters:
+                            del self._commit_waiters[obj.offset]
 
     # -- both ------------------------------------------------------------------------------------
     def release(
@@ -342,12 +409,14 @@ class Registry:
     ) -> None:
         """Drop producer references and leases, all or nothing. ``piggybacked`` releases (sent
         lazily with another call) skip entries that are already gone instead of failing."""
-        handles, lease_ids = list(handles), list(lease_ids)
-        if piggybacked:
-            if not handles and not lease_ids:
+        count = len(handles) + len(lease_ids)
+        if count > self.limits.max_batch:
+            raise InvalidArgument(f"release: {count} entries exceed the batch limit {self.limits.max_batch}")
+        if count == 0:
+            if piggybacked:
                 return
-        else:
-            self._check_batch(handles + lease_ids, "handles + lease_ids")
+            raise InvalidArgument("handles + lease_ids must not be empty")
+        handles, lease_ids = list(handles), list(lease_ids)
         with self._lock:
             session = self._live_session(session_id)
             if piggybacked:
@@ -391,11 +460,15 @@ class Registry:
         with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 _, kind, key = heapq.heappop(self._deadlines)
-                if kind == 1:
+                if kind == _LEASE:
                     lease = self._leases.get(key)
-                    if lease is not None and lease.expires_at <= now:
+                    if lease is None or lease.quarantined or lease.expires_at > now:
+                        continue
+                    session = self._sessions.get(lease.session_id)
+                    if session is not None and session.quarantine_expired:
+                        self._quarantine(lease, session)
+                    else:
                         self.counters["reclaimed_ttl_leases"] += 1
-                        session = self._sessions.get(lease.session_id)
                         self.counters["reclaimed_ttl_nbytes"] += self._drop_lease(lease, session)
                 else:
                     obj = self._objects.get(key)
@@ -405,13 +478,21 @@ class Registry:
             # Released leases leave their deadline behind (lazy deletion); rebuild the heap when
             # such stale entries dominate, so memory follows what is live, not the TTL x rate.
             if len(self._deadlines) > 4 * (len(self._leases) + len(self._objects)) + 4096:
-                self._deadlines = [(lease.expires_at, 1, lease.lease_id) for lease in self._leases.values()]
-                self._deadlines += [(o.hold_until, 0, key) for key, o in self._objects.items() if o.hold_until]
+                self._deadlines = [(lease.expires_at, _LEASE, lease.lease_id)
+                                   for lease in self._leases.values() if not lease.quarantined]
+                self._deadlines += [(o.hold_until, _HOLD, key) for key, o in self._objects.items() if o.hold_until]
                 heapq.heapify(self._deadlines)
 
-    def next_deadline(self) -> float | None:
-        with self._lock:
-            return self._deadlines[0][0] if self._deadlines else None
+    def _quarantine(self, lease: Lease, session: Session) -> None:
+        """A lease past its TTL whose holder lives: keep its bytes (a view may still read them)."""
+        lease.quarantined = True
+        nbytes = self._objects[lease.offset].nbytes
+        self._quarantined[lease.lease_id] = nbytes
+        self.counters["quarantined_leases_total"] += 1
+        _log.warning(
+            "lease %d (%d bytes) of session %s (pid %d) outlived its TTL: its bytes stay quarantined "
+            "until it is released or the process exits", lease.lease_id, nbytes, session.session_id, session.pid,
+        )
 
     # -- introspection ---------------------------------------------------------------------------
     def stat(self) -> pb.StatResponse:
@@ -438,6 +519,13 @@ class Registry:
                 free_extents=a.free_extents,
                 live_objects=len(self._objects),
                 live_leases=len(self._leases),
+                tenant=self.tenant,
+                quarantined_leases=len(self._quarantined),
+                quarantined_nbytes=sum(self._quarantined.values()),
+                quarantined_leases_total=c["quarantined_leases_total"],
+                dedicated_nbytes=self._dedicated_nbytes,
+                quota_nbytes=self.quota_nbytes,
+                quota_leases=self.limits.quota_leases,
                 clients=clients,
                 allocations_total=c["allocations_total"],
                 allocations_per_s=recent / _RATE_WINDOW_S,
@@ -462,7 +550,7 @@ class Registry:
         while times and now - times[0] > _RATE_WINDOW_S:
             times.popleft()
 
-    def _check_batch(self, items: list, what: str) -> None:
+    def _check_batch(self, items: Sequence, what: str) -> None:
         if not items:
             raise InvalidArgument(f"{what} must not be empty")
         if len(items) > self.limits.max_batch:
@@ -496,6 +584,8 @@ class Registry:
 
     def _mark_committed(self, obj: Allocation) -> None:
         obj.state = ObjState.COMMITTED
+        for waiter in self._commit_waiters.pop(obj.offset, ()):
+            waiter.event.set()
         # The producer's reference now counts as committed bytes (by Commit, or by handoff in a
         # consumer's Acquire: then the producer is another session than the caller).
         owner = self._sessions.get(obj.owner) if obj.producer_ref else None
@@ -512,6 +602,8 @@ class Registry:
                 Reason.INSTANCE_MISMATCH,
             )
         if h.name != self.segment_name:
+            if self._other_tenant_re.match(h.name) and not h.name.startswith(self._tenant_base + "-"):
+                raise PermissionDenied(f"segment {h.name!r} belongs to another tenant of this daemon")
             return self._resolve_dedicated(h)
         if h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes:
             raise HandleError(
@@ -534,10 +626,9 @@ class Registry:
 
     def _resolve_dedicated(self, h: pb.Handle) -> Allocation:
         key = self._dedicated.get(h.name)
-        base = self.segment_name.rsplit("-", 1)[0] + "-obj"
         if key is None:
-            gen = h.name[len(base):] if h.name.startswith(base) else ""
-            if gen.isdigit() and 0 < int(gen) < self._next_generation:
+            match = self._dedicated_re.match(h.name)
+            if match and 0 < int(match.group(1)) < self._next_generation:
                 raise HandleError(f"stale handle: dedicated segment {h.name!r} was freed", Reason.STALE_HANDLE)
             raise HandleError(f"unknown segment {h.name!r}")
         obj = self._objects[key]
@@ -560,6 +651,7 @@ class Registry:
 
     def _drop_lease(self, lease: Lease, session: Session | None) -> int:
         del self._leases[lease.lease_id]
+        self._quarantined.pop(lease.lease_id, None)
         if session is not None:
             session.leases.discard(lease.lease_id)
         obj = self._objects[lease.offset]
@@ -574,6 +666,7 @@ class Registry:
         if obj.segment is not None:
             # A stock reader may have unlinked the name already: Segment.unlink tolerates that.
             del self._dedicated[obj.segment.name]
+            self._dedicated_nbytes -= obj.nbytes
             obj.segment.unlink()
         else:
             self.allocator.free(obj.offset)

@@ -1,14 +1,24 @@
 """Client sessions: a credential handshake and a liveness signal on one plain Unix socket.
 
-A client connects to ``<socket>.session``; the daemon reads the peer's credentials with
-SO_PEERCRED (which gRPC does not expose), refuses uids outside the allowlist, and answers one JSON
-line with a fresh session: a public ``session_id`` (it appears in handles as the owner) and a secret
-``token`` that every gRPC call must carry as metadata. The client keeps the connection open and
-never writes again; when its process dies the kernel closes the socket and the daemon reclaims
-everything the session held, at once and whatever the state of its gRPC calls.
+A client connects to ``<socket>.session`` and writes one JSON line (``{"access": "rw"}`` or
+``"ro"``). The daemon reads the peer's credentials with SO_PEERCRED (which gRPC does not expose),
+refuses uids outside the allowlist at once, finds the peer's tenant, and answers one JSON line with a
+fresh session — a public ``session_id`` (it appears in handles as the owner) and a secret ``token``
+that every gRPC call must carry as metadata — plus, passed with SCM_RIGHTS, an fd of the tenant's
+arena (read-only for ``"ro"``). Clients never open the arena by name, so nobody can plant or swap it,
+and its file stays 0600: only processes the daemon handed the fd to can map it.
+
+The client keeps the connection open and never writes again; when its process dies the kernel
+closes the socket and the daemon reclaims everything the session held, at once and whatever the
+state of its gRPC calls.
+
+Nothing here blocks on a client: handshakes are read without blocking, each has a deadline, and
+their number is bounded per uid, so idle or slow connections cannot hold the accept loop or the
+daemon's fds.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,16 +28,58 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
+
+from ..errors import ShmTransportError
 
 _log = logging.getLogger("shmtransport.daemon")
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python does not name it
+_MAX_GROUPS = 1024
 _ACCEPT_BACKOFF_S = 0.05
+HANDSHAKE_TIMEOUT_S = 2.0
+MAX_HANDSHAKE_NBYTES = 1024
+MAX_PENDING_PER_UID = 64
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+
+
+def peer_groups(conn: socket.socket, gid: int) -> tuple[int, ...]:
+    """The peer's primary and supplementary groups as the kernel recorded them at connect (not
+    read from /proc, where a recycled pid would name another process)."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)
+    except OSError:
+        return (gid,)
+    return (gid, *struct.unpack(f"{len(raw) // 4}I", raw))
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What ``admit`` grants a peer: its tenant, the hello fields, and the arena fd to pass."""
+
+    tenant: Any
+    hello: dict
+    fd: int  # passed to the client and closed here afterwards
+
+
+@dataclasses.dataclass
+class _Pending:
+    pid: int
+    uid: int
+    groups: tuple[int, ...]
+    deadline: float
+    data: bytes = b""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Open:
+    session_id: str
+    token: str
+    tenant: Any
 
 
 class SessionServer:
@@ -36,24 +88,27 @@ class SessionServer:
     def __init__(
         self,
         path: str,
-        allowed_uids: frozenset[int],
-        hello: dict,
-        on_open: Callable[[str, int, int], None],
-        on_close: Callable[[str], None],
+        allowed: Callable[[int, tuple[int, ...]], bool],
+        admit: Callable[[int, int, tuple[int, ...], bool], Admission],
+        on_open: Callable[[str, int, int, Any], None],
+        on_close: Callable[[str, Any], None],
         socket_mode: int,
     ):
+        """``allowed(uid, groups)``: whether a peer may handshake at all (checked at accept);
+        ``admit(pid, uid, groups, writable)``: the peer's tenant and arena fd, or a
+        ShmTransportError (e.g. its tenant's session limit) that the peer gets as its answer."""
         self.path = path
-        self._allowed_uids = allowed_uids
-        self._hello = hello
+        self._allowed = allowed
+        self._admit = admit
         self._on_open = on_open
         self._on_close = on_close
-        self._tokens: dict[str, str] = {}  # token -> session_id
+        self._tokens: dict[str, _Open] = {}
         self._tokens_lock = threading.Lock()
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._pending_per_uid: dict[int, int] = {}
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if os.path.exists(path):
-            os.unlink(path)
         self._listener.bind(path)
         os.chmod(path, socket_mode)
         self._listener.listen(256)
@@ -66,21 +121,21 @@ class SessionServer:
     def start(self) -> None:
         self._thread.start()
 
-    def session_for_token(self, token: str) -> str | None:
+    def session_for_token(self, token: str) -> tuple[str, Any] | None:
+        """(session id, tenant) of a live session's token, else None."""
         with self._tokens_lock:
-            return self._tokens.get(token)
-
-    def live_sessions(self) -> int:
-        with self._tokens_lock:
-            return len(self._tokens)
+            opened = self._tokens.get(token)
+        return None if opened is None else (opened.session_id, opened.tenant)
 
     def stop(self) -> None:
         self._stopping = True
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
         for key in list(self._selector.get_map().values()):
-            if key.data is not None:
+            if isinstance(key.data, _Open):
                 self._drop(key.fileobj, key.data)
+        for conn in list(self._pending):
+            self._drop_pending(conn)
         self._selector.close()
         self._listener.close()
         os.close(self._wake_r)
@@ -92,13 +147,19 @@ class SessionServer:
 
     def _loop(self) -> None:
         while not self._stopping:
-            for key, _ in self._selector.select(timeout=1.0):
+            timeout = 1.0
+            if self._pending:
+                timeout = max(0.0, min(p.deadline for p in self._pending.values()) - time.monotonic())
+            for key, _ in self._selector.select(timeout=min(timeout, 1.0)):
                 if self._stopping:
                     break
                 if key.fileobj is self._listener:
                     self._accept()
-                elif key.data is not None:
+                elif isinstance(key.data, _Pending):
+                    self._read_handshake(key.fileobj, key.data)
+                elif isinstance(key.data, _Open):
                     self._drop(key.fileobj, key.data)  # a session socket is readable: EOF or junk
+            self._expire_pending()
         # leaving the loop: stop() drops the remaining sessions
 
     def _accept(self) -> None:
@@ -111,39 +172,112 @@ class SessionServer:
             time.sleep(_ACCEPT_BACKOFF_S)
             return
         try:
-            pid, uid, _gid = peer_credentials(conn)
-            if uid not in self._allowed_uids:
-                _log.warning("refused session from pid %d uid %d (not in the allowlist)", pid, uid)
-                conn.sendall(b'{"error": "permission_denied", "message": "uid %d is not allowed"}\n' % uid)
-                conn.close()
-                return
+            pid, uid, gid = peer_credentials(conn)
+            groups = peer_groups(conn, gid)
         except OSError as exc:
             _log.info("session handshake failed: %s", exc)
             conn.close()
             return
-        # Registered before the reply, so the client's first RPC finds its token; undone if the
-        # client is already gone.
-        session_id, token = secrets.token_hex(8), secrets.token_hex(16)
-        self._on_open(session_id, pid, uid)
-        with self._tokens_lock:
-            self._tokens[token] = session_id
-        try:
-            hello = dict(self._hello, session_id=session_id, token=token, pid=pid)
-            conn.sendall(json.dumps(hello).encode() + b"\n")
-        except OSError as exc:
-            _log.info("session handshake with pid %d failed: %s", pid, exc)
-            self._drop(conn, (session_id, token))
+        if not self._allowed(uid, groups):
+            _log.warning("refused session from pid %d uid %d (not in the allowlist)", pid, uid)
+            self._refuse(conn, "permission_denied", f"uid {uid} is not allowed")
+            return
+        if self._pending_per_uid.get(uid, 0) >= MAX_PENDING_PER_UID:
+            _log.warning("refused session from pid %d uid %d: %d handshakes of this uid pending",
+                         pid, uid, MAX_PENDING_PER_UID)
+            self._refuse(conn, "resource_exhausted", f"too many handshakes of uid {uid} in progress")
             return
         conn.setblocking(False)
-        self._selector.register(conn, selectors.EVENT_READ, (session_id, token))
+        pending = _Pending(pid, uid, groups, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+        self._pending[conn] = pending
+        self._pending_per_uid[uid] = self._pending_per_uid.get(uid, 0) + 1
+        self._selector.register(conn, selectors.EVENT_READ, pending)
 
-    def _drop(self, conn: socket.socket, data: tuple[str, str]) -> None:
-        session_id, token = data
+    def _read_handshake(self, conn: socket.socket, pending: _Pending) -> None:
         try:
-            self._selector.unregister(conn)
-        except (KeyError, ValueError):
+            chunk = conn.recv(MAX_HANDSHAKE_NBYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        pending.data += chunk
+        if not chunk or len(pending.data) > MAX_HANDSHAKE_NBYTES:
+            self._drop_pending(conn)
+            return
+        if b"\n" not in pending.data:
+            return
+        self._forget_pending(conn, pending)
+        try:
+            request = json.loads(pending.data.split(b"\n", 1)[0])
+            access = request.get("access") if isinstance(request, dict) else None
+            if access not in ("rw", "ro"):
+                raise ValueError(f"access must be 'rw' or 'ro', got {access!r}")
+        except ValueError as exc:
+            self._refuse(conn, "invalid_argument", f"bad handshake: {exc}")
+            return
+        try:
+            admission = self._admit(pending.pid, pending.uid, pending.groups, access == "rw")
+        except ShmTransportError as exc:
+            _log.warning("refused session from pid %d uid %d: %s", pending.pid, pending.uid, exc)
+            self._refuse(conn, exc.reason.value, exc.message)
+            return
+        self._open(conn, pending, admission)
+
+    def _open(self, conn: socket.socket, pending: _Pending, admission: Admission) -> None:
+        # Registered before the reply, so the client's first RPC finds its token; undone if the
+        # client is already gone.
+        opened = _Open(secrets.token_hex(8), secrets.token_hex(16), admission.tenant)
+        self._on_open(opened.session_id, pending.pid, pending.uid, opened.tenant)
+        with self._tokens_lock:
+            self._tokens[opened.token] = opened
+        hello = dict(admission.hello, session_id=opened.session_id, token=opened.token, pid=pending.pid)
+        try:
+            # A fresh socket's send buffer holds far more than a hello: this never blocks.
+            socket.send_fds(conn, [json.dumps(hello).encode() + b"\n"], [admission.fd])
+        except OSError as exc:
+            _log.info("session handshake with pid %d failed: %s", pending.pid, exc)
+            self._drop(conn, opened, registered=False)
+            return
+        finally:
+            os.close(admission.fd)
+        self._selector.register(conn, selectors.EVENT_READ, opened)
+
+    def _refuse(self, conn: socket.socket, error: str, message: str) -> None:
+        try:
+            conn.setblocking(False)
+            conn.send(json.dumps({"error": error, "message": message}).encode() + b"\n")
+        except OSError:
             pass
         conn.close()
+
+    def _forget_pending(self, conn: socket.socket, pending: _Pending) -> None:
+        self._selector.unregister(conn)
+        del self._pending[conn]
+        left = self._pending_per_uid[pending.uid] - 1
+        if left:
+            self._pending_per_uid[pending.uid] = left
+        else:
+            del self._pending_per_uid[pending.uid]
+
+    def _drop_pending(self, conn: socket.socket) -> None:
+        self._forget_pending(conn, self._pending[conn])
+        conn.close()
+
+    def _expire_pending(self) -> None:
+        now = time.monotonic()
+        for conn, pending in list(self._pending.items()):
+            if pending.deadline <= now:
+                _log.info("dropped a session handshake of pid %d: nothing sent within %.0f s",
+                          pending.pid, HANDSHAKE_TIMEOUT_S)
+                self._drop_pending(conn)
+
+    def _drop(self, conn: socket.socket, opened: _Open, registered: bool = True) -> None:
+        if registered:
+            try:
+                self._selector.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+        conn.close()
         with self._tokens_lock:
-            self._tokens.pop(token, None)
-        self._on_close(session_id)
+            self._tokens.pop(opened.token, None)
+        self._on_close(opened.session_id, opened.tenant)

@@ -139,7 +139,7 @@ class ClientStat(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., loaned_nbytes: _Optional[int] = ..., committed_nbytes: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total")
+    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total")
     ARENA_FIELD_NUMBER: _ClassVar[int]
     USED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,13 @@ class StatResponse(_message.Message):
     RECLAIMED_DEATH_LEASES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_LEASES_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_LEASES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     arena: ArenaInfo
     used_nbytes: int
     free_nbytes: int
@@ -172,4 +179,11 @@ class StatResponse(_message.Message):
     reclaimed_death_leases: int
     allocation_failures: int
     sessions_total: int
-    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ...) -> None: ...
+    tenant: str
+    quota_nbytes: int
+    quota_leases: int
+    dedicated_nbytes: int
+    quarantined_leases: int
+    quarantined_nbytes: int
+    quarantined_leases_total: int
+    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ...) -> None: ...
