@@ -7,15 +7,30 @@ which test_proto_generated runs, crash when loaded together).
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
+import ipaddress
 import os
+import secrets
 
+import grpc
 import numpy as np
 import pytest
 
 from shmtransport import remote
 from shmtransport.client import Consumer, Producer
-from shmtransport.errors import HandleError, IdentityMismatch, InvalidArgument, Unavailable
+from shmtransport.errors import (
+    HandleError,
+    IdentityMismatch,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+)
+from shmtransport.remote.auth import SECRET_METADATA_KEY, RemoteTLS
+from shmtransport.remote.daemon_ext import REMOTE_SESSION_METADATA_KEY
 from shmtransport.testing import BlockingChild, run_in_child
+from shmtransport.v1 import remote_pb2 as rpb
+from shmtransport.v1 import remote_pb2_grpc as rpb_grpc
 
 # Loopback only, never any other address; set in every child before its NIXL agent exists.
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
@@ -56,9 +71,10 @@ def _child_env():
         os.environ[k] = v
 
 
-def host_two_nodes(conn):
-    """'Node A' and 'node B' daemons (remote extension, namespaces test-node-a/-b) and a producer
-    on A, in one child, so that NIXL never loads in the pytest process. Serves commands."""
+def host_two_nodes(conn, remote_kwargs: dict | None = None):
+    """'Node A' and 'node B' daemons (remote extension with ``remote_kwargs``, namespaces
+    test-node-a/-b) and a producer on A, in one child, so that NIXL never loads in the pytest
+    process. Serves commands."""
     _child_env()
     from shmtransport import testing
     from shmtransport.remote import COUNTERS, RemoteExporter, namespace_of
@@ -68,7 +84,7 @@ def host_two_nodes(conn):
     try:
         for ns in ("test-node-a", "test-node-b"):
             daemons.append(testing.start_daemon(arena_nbytes=ARENA_NBYTES,
-                                                shm_namespace=ns, extensions=[remote_extension()]))
+                                                shm_namespace=ns, extensions=[remote_extension(**(remote_kwargs or {}))]))
         a, b = daemons
         with Producer(a.socket_path) as producer, Consumer(b.socket_path) as local_consumer:
             exporter = RemoteExporter(producer)
@@ -87,6 +103,10 @@ def host_two_nodes(conn):
                                 exporter.tensor_data(h, consumer_ns).SerializeToString(),
                                 exporter.tensor_data(h, namespace_of(producer)).WhichOneof("payload"))
                                for h in new])
+                elif cmd == "put_dedicated":  # remote handles of dedicated-segment loans
+                    new = producer.put_many(args[0], dedicated=True)
+                    handles.extend(new)
+                    conn.send([exporter.export(h).SerializeToString() for h in new])
                 elif cmd == "stat":
                     conn.send((a.stat().live_leases, a.remote.live_sessions, COUNTERS.snapshot()))
                 elif cmd == "settle":
@@ -107,8 +127,8 @@ def host_two_nodes(conn):
 
 
 class Nodes:
-    def __init__(self):
-        self.child = BlockingChild(host_two_nodes)
+    def __init__(self, remote_kwargs: dict | None = None):
+        self.child = BlockingChild(host_two_nodes, remote_kwargs)
         _, self.b_socket, self.endpoint, self.ns_a, self.ns_b = self.child.recv(TIMEOUT_S)
 
     def ask(self, *cmd):
@@ -121,13 +141,66 @@ class Nodes:
         assert leftovers == [[], []], f"daemon segments left behind: {leftovers}"
 
 
-@pytest.fixture
-def nodes():
-    n = Nodes()
+@contextlib.contextmanager
+def two_nodes(**remote_kwargs):
+    n = Nodes(remote_kwargs)
     try:
         yield n
     finally:
         n.child.close() if n.child._done is not None else n.close()
+
+
+@pytest.fixture
+def nodes():
+    with two_nodes() as n:
+        yield n
+
+
+def _remote_blob(td_blob: bytes) -> bytes:
+    from shmtransport.v1 import features_pb2 as fpb
+
+    return fpb.TensorData.FromString(td_blob).remote.SerializeToString()
+
+
+def _make_pki() -> dict[str, bytes]:
+    """A throwaway CA, a server certificate for 127.0.0.1, a client certificate, and a client
+    certificate of another CA (PEM)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject, key, issuer, issuer_key, ca=False, usage=None, san=None):
+        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(hours=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if usage is not None:
+            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if san is not None:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(issuer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+    def key_pem(key):
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    keys = {k: ec.generate_private_key(ec.SECP256R1()) for k in ("ca", "server", "client", "rogue_ca", "rogue")}
+    return {
+        "ca": cert("test CA", keys["ca"], "test CA", keys["ca"], ca=True),
+        "server_cert": cert("node-a", keys["server"], "test CA", keys["ca"], usage=ExtendedKeyUsageOID.SERVER_AUTH,
+                            san=[x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+        "server_key": key_pem(keys["server"]),
+        "client_cert": cert("reader", keys["client"], "test CA", keys["ca"], usage=ExtendedKeyUsageOID.CLIENT_AUTH),
+        "client_key": key_pem(keys["client"]),
+        "rogue_cert": cert("rogue", keys["rogue"], "rogue CA", keys["rogue_ca"], usage=ExtendedKeyUsageOID.CLIENT_AUTH),
+        "rogue_key": key_pem(keys["rogue"]),
+    }
 
 
 # -- children ------------------------------------------------------------------------------------
@@ -166,6 +239,24 @@ def child_read_expect_errors(remote_blobs: list[bytes]) -> list[tuple[str, str, 
                 out.append((type(exc).__name__, exc.reason.value, exc.message))
             else:
                 out.append(("", "", "no error"))
+    return out
+
+
+def child_read_each(remote_blob: bytes, reader_kwargs: list[dict]) -> list:
+    """One read of ``remote_blob`` per reader configuration: the array, or the typed error
+    (class name, reason, message)."""
+    _child_env()
+    from shmtransport.errors import ShmTransportError
+    from shmtransport.remote import RemoteReader
+
+    out = []
+    for kwargs in reader_kwargs:
+        with RemoteReader(pool_slots=1, slot_nbytes=MiB, timeout_s=20, **kwargs) as reader:
+            try:
+                with reader.read(remote_blob) as buf:
+                    out.append(np.array(buf.array))
+            except ShmTransportError as exc:
+                out.append((type(exc).__name__, exc.reason.value, exc.message))
     return out
 
 
@@ -351,3 +442,88 @@ def test_receive_memory_is_not_reused_while_a_view_of_a_released_buffer_lives(no
     assert np.array_equal(got["kept"], arrays[0][2:]) and np.array_equal(got["second"], arrays[1])
     assert got["registrations"] == 1  # the pool once (not counted) + one buffer for the second read
     assert nodes.ask("settle", 5) is True
+
+
+@needs_nixl
+def test_dedicated_segment_handle_is_refused_by_the_remote_tier_before_any_lease(nodes):
+    # No digest: nothing downstream would notice arena bytes served in place of the segment's.
+    [blob] = nodes.ask("put_dedicated", [np.arange(1, 4097, dtype=np.int32)])
+    [(cls, reason, msg)] = run_in_child(child_read_expect_errors, [blob], timeout_s=TIMEOUT_S)
+    assert (cls, reason) == (InvalidArgument.__name__, "invalid_argument") and "dedicated" in msg
+    assert nodes.ask("settle", 5) is True  # refused before the lease was taken
+
+
+def _unauthenticated(call, *args, **kwargs) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        response = call(*args, **kwargs)
+        if hasattr(response, "__next__"):  # a server stream fails on its first message
+            next(response)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+
+
+@needs_nixl
+def test_shared_secret_refuses_calls_without_it_and_leases_nothing():
+    secret = secrets.token_urlsafe(24)
+    with two_nodes(secret=secret) as n:
+        [(tensor_blob, td_blob, _)] = n.ask("put", [np.arange(1024, dtype=np.int32)])
+        from shmtransport.v1 import daemon_pb2 as pb
+
+        acquire = rpb.RemoteAcquireRequest(tensors=[pb.TensorHandle.FromString(tensor_blob)])
+        with grpc.insecure_channel(n.endpoint) as channel:
+            stub = rpb_grpc.RemoteStub(channel)
+            for auth in ((), ((SECRET_METADATA_KEY, secret[:-1] + "?"),)):
+                _unauthenticated(stub.Attach, rpb.AttachRequest(peer_name="intruder"), metadata=auth, timeout=5)
+                _unauthenticated(stub.Describe, rpb.DescribeRequest(), metadata=auth, timeout=5)
+            assert n.ask("stat")[:2] == (0, 0)  # no session was opened
+            # Even holding a session token, a call without the secret is refused.
+            attach = stub.Attach(rpb.AttachRequest(peer_name="peer"), metadata=((SECRET_METADATA_KEY, secret),),
+                                 timeout=TIMEOUT_S)
+            try:
+                token = next(attach).session_token
+                for auth in ((), ((SECRET_METADATA_KEY, "x" * len(secret)),)):
+                    _unauthenticated(stub.RemoteAcquire, acquire,
+                                     metadata=((REMOTE_SESSION_METADATA_KEY, token),) + auth, timeout=5)
+                assert n.ask("stat")[:2] == (0, 1)  # attached, nothing leased
+            finally:
+                attach.cancel()
+        blob = _remote_blob(td_blob)
+        refused, right = run_in_child(child_read_each, blob, [{}, {"secret": secret}], timeout_s=TIMEOUT_S)
+        assert refused[:2] == (PermissionDenied.__name__, "permission_denied") and n.endpoint in refused[2]
+        assert np.array_equal(right, np.arange(1024, dtype=np.int32))
+        assert n.ask("settle", 5) is True
+
+
+@needs_nixl
+def test_mutual_tls_refuses_peers_without_a_client_certificate_of_its_ca():
+    pki = _make_pki()
+    with two_nodes(tls=RemoteTLS(pki["server_cert"], pki["server_key"], pki["ca"])) as n:
+        [(_, td_blob, _)] = n.ask("put", [np.arange(512, dtype=np.int64)])
+        refused = {
+            "plaintext": None,
+            "no client certificate": grpc.ssl_channel_credentials(root_certificates=pki["ca"]),
+            "another CA's certificate": grpc.ssl_channel_credentials(pki["ca"], pki["rogue_key"], pki["rogue_cert"]),
+        }
+        for what, creds in refused.items():
+            channel = grpc.insecure_channel(n.endpoint) if creds is None else grpc.secure_channel(n.endpoint, creds)
+            with channel, pytest.raises(grpc.RpcError) as err:
+                next(rpb_grpc.RemoteStub(channel).Attach(rpb.AttachRequest(peer_name="intruder"), timeout=5))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (what, err.value)
+        assert n.ask("stat")[:2] == (0, 0)
+        client = RemoteTLS(pki["client_cert"], pki["client_key"], pki["ca"])
+        without, good = run_in_child(child_read_each, _remote_blob(td_blob), [{}, {"tls": client}],
+                                     timeout_s=TIMEOUT_S)
+        assert without[0] == Unavailable.__name__
+        assert np.array_equal(good, np.arange(512, dtype=np.int64))
+        assert n.ask("settle", 5) is True
+
+
+def test_secret_and_tls_options_are_checked_before_anything_starts():
+    with pytest.raises(InvalidArgument, match="at least"):
+        remote.remote_extension(secret="short")
+    with pytest.raises(InvalidArgument, match="printable"):
+        remote.remote_extension(secret=" padded secret value ")
+    with pytest.raises(InvalidArgument, match="PEM"):
+        RemoteTLS(b"not a certificate", b"-----BEGIN", b"-----BEGIN")
+    with pytest.raises(InvalidArgument, match="RemoteTLS"):
+        remote.remote_extension(tls=("cert", "key", "ca"))
+    assert "KEY" not in repr(RemoteTLS(b"-----BEGIN C", b"-----BEGIN PRIVATE KEY", b"-----BEGIN C"))

@@ -1,8 +1,24 @@
-"""Prometheus metrics over HTTP (``--metrics-port``), read from the same numbers as Stat."""
+"""Prometheus metrics over HTTP, read from the same numbers as Stat.
+
+Served on ``metrics_address``: ``"HOST:PORT"`` (TCP) or ``"unix:/path"`` (a Unix socket, mode 0600:
+only the daemon's user can scrape it, e.g. through a local agent). ``metrics_port`` is shorthand
+for ``"127.0.0.1:PORT"``.
+"""
 from __future__ import annotations
+
+import errno
+import os
+import socket
+import socketserver
+import stat
+import tempfile
+import threading
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import MetricsHandler
+
+from ..errors import InvalidArgument, PermissionDenied
 
 _GAUGES = {
     "used_nbytes": "Arena bytes held by live objects",
@@ -22,6 +38,8 @@ _COUNTERS = {
     "reclaimed_death_leases": "Leases dropped because their holder's session died",
     "sessions_total": "Client sessions opened",
 }
+UNIX_PREFIX = "unix:"
+_PROBE_TIMEOUT_S = 1.0
 
 
 class _DaemonCollector:
@@ -42,8 +60,98 @@ class _DaemonCollector:
         yield per_client
 
 
-def start_metrics_server(daemon, port: int):
+def metrics_address(metrics_port: int | None, address: str | None) -> str | None:
+    """The address to serve on: ``address``, else ``127.0.0.1:metrics_port``, else None (off)."""
+    if address is not None and metrics_port is not None:
+        raise InvalidArgument("set metrics_port or metrics_address, not both")
+    if metrics_port is not None:
+        return f"127.0.0.1:{metrics_port}"
+    return address
+
+
+class _UnixHandler(MetricsHandler):
+    def address_string(self) -> str:  # a Unix peer has no host (client_address is "")
+        return "unix"
+
+
+class _UnixMetricsServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """HTTP metrics on a Unix socket created 0600; ``server_close`` removes it (if still ours)."""
+
+    daemon_threads = True
+
+    def __init__(self, path: str, handler):
+        _refuse_live_socket(path)
+        super().__init__(path, handler, bind_and_activate=False)
+        # Bound inside a private directory, made 0600, then linked into place (link never replaces
+        # what appeared there meanwhile): the socket is never reachable with a wider mode.
+        private = tempfile.mkdtemp(prefix=".shmt-metrics-", dir=os.path.dirname(path))
+        staged = os.path.join(private, "s")
+        try:
+            self.socket.bind(staged)
+            os.chmod(staged, 0o600)
+            self.server_activate()
+            os.link(staged, path)
+        except FileExistsError:
+            self.socket.close()
+            raise PermissionDenied(f"metrics socket {path!r} appeared while binding: in use") from None
+        except BaseException:
+            self.socket.close()
+            raise
+        finally:
+            try:
+                os.unlink(staged)
+            except FileNotFoundError:
+                pass
+            os.rmdir(private)
+        self.path = path
+        self._ino = os.stat(path).st_ino
+
+    def server_close(self) -> None:
+        super().server_close()
+        try:
+            if os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _refuse_live_socket(path: str) -> None:
+    """PermissionDenied if ``path`` is a socket something answers on, or not a socket at all; a stale
+    socket (nobody listening) is removed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise PermissionDenied(f"metrics address {path!r} exists and is not a socket: not replacing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(_PROBE_TIMEOUT_S)
+    try:
+        probe.connect(path)
+    except OSError as exc:
+        if exc.errno != errno.ECONNREFUSED:
+            raise PermissionDenied(f"metrics socket {path!r} cannot be probed: {exc}") from exc
+    else:
+        raise PermissionDenied(f"metrics socket {path!r} is in use by another process")
+    finally:
+        probe.close()
+    os.unlink(path)
+
+
+def start_metrics_server(daemon, address: str):
+    """Serve ``daemon``'s metrics on ``address`` (``HOST:PORT`` or ``unix:/path``) from a thread;
+    the server answers ``shutdown()`` and ``server_close()``."""
     registry = CollectorRegistry()
     registry.register(_DaemonCollector(daemon))
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    if address.startswith(UNIX_PREFIX):
+        path = address[len(UNIX_PREFIX):]
+        if not os.path.isabs(path):
+            raise InvalidArgument(f"metrics address {address!r}: the Unix socket path must be absolute")
+        server = _UnixMetricsServer(path, _UnixHandler.factory(registry))
+        threading.Thread(target=server.serve_forever, name="shmt-metrics", daemon=True).start()
+        return server
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InvalidArgument(f"metrics address {address!r} is neither HOST:PORT nor unix:/path")
+    server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
     return server

@@ -663,6 +663,8 @@ class Registry:
         if obj.producer_ref or obj.leases or obj.hold_until:
             return 0
         del self._objects[obj.offset]
+        for waiter in self._commit_waiters.pop(obj.offset, ()):
+            waiter.event.set()  # an Acquire waiting for this loan's commit fails now, not at its deadline
         if obj.segment is not None:
             # A stock reader may have unlinked the name already: Segment.unlink tolerates that.
             del self._dedicated[obj.segment.name]

@@ -1,9 +1,10 @@
-"""Remote tier (DESIGN §2): tensors read across nodes with NIXL (UCX), explicit inline fallback.
+"""Remote tier: tensors read across nodes with NIXL (UCX), explicit inline fallback.
 
 - ``remote_extension(...)``: daemon side (``Daemon(extensions=[remote_extension()])``).
 - ``RemoteReader``: pulls ``RemoteTensorHandle``s with NIXL READs into a registered receive pool.
 - ``RemoteExporter`` / ``resolve``: TensorData with shm, remote or (opt-in) inline payloads.
 - ``choose_transport`` / ``COUNTERS``: shm when namespaces match, remote otherwise; every choice counted.
+- ``RemoteTLS``: mutual-TLS material for both sides (with, or instead of, a shared ``secret``).
 
 NIXL is optional (``pip install shmtransport[nixl]``); without it remote handles raise
 ``NixlUnavailable``. Heavy imports happen on use.
@@ -13,8 +14,8 @@ from .transport import COUNTERS, INLINE, REMOTE, SHM, TransportCounters, choose_
 
 __all__ = [
     "COUNTERS", "EXTRA_HINT", "INLINE", "REMOTE", "SHM", "NixlUnavailable", "RemoteExporter", "RemoteReader",
-    "TransportCounters", "choose_transport", "load_nixl", "namespace_of", "nixl_available", "remote_extension",
-    "resolve",
+    "RemoteTLS", "TransportCounters", "choose_transport", "load_nixl", "namespace_of", "nixl_available",
+    "remote_extension", "resolve",
 ]
 
 
@@ -23,6 +24,10 @@ def __getattr__(name):
         from .daemon_ext import remote_extension
 
         return remote_extension
+    if name == "RemoteTLS":
+        from .auth import RemoteTLS
+
+        return RemoteTLS
     if name == "RemoteReader":
         from .reader import RemoteReader
 

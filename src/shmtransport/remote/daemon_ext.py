@@ -12,6 +12,9 @@ on the Unix socket) and binds a TCP address for remote peers. A remote peer:
 3. ``RemoteRelease(lease_ids)`` once its READ has completed (or failed).
 
 The daemon never touches payload bytes: the peer's NIXL READ pulls them from the registered arena.
+Only arena handles are served: a dedicated-segment handle (its own segment, not registered) is
+refused before any lease. Peers authenticate with a shared secret and/or mutual TLS (``auth``);
+without either the endpoint is open to whoever reaches it, and the daemon says so at start.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from ..errors import InvalidArgument, PermissionDenied
 from ..v1 import remote_pb2 as rpb
 from ..v1 import remote_pb2_grpc as rpb_grpc
 from ._nixl import new_agent
+from .auth import RemoteTLS, check_secret, secret_matches
 
 _log = logging.getLogger("shmtransport.remote")
 
@@ -41,8 +45,11 @@ _STREAM_POLL_S = 0.2
 class RemoteExtension:
     """State of the remote tier inside one daemon; built by ``remote_extension``."""
 
-    def __init__(self, daemon, listen_host: str, listen_port: int, advertise_host: str | None):
+    def __init__(self, daemon, listen_host: str, listen_port: int, advertise_host: str | None,
+                 secret: str | None = None, tls: RemoteTLS | None = None):
         self.daemon = daemon
+        self._secret = secret
+        self._tls = tls
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.advertise_host = advertise_host or listen_host
@@ -74,7 +81,11 @@ class RemoteExtension:
             # One region for the whole arena, registered once: never per tensor.
             self._reg = self.agent.register_memory([(self.base_addr, self.nbytes, 0, "")], "DRAM")
             self.agent_metadata = self.agent.get_agent_metadata()
-            port = server.add_insecure_port(f"{self.listen_host}:{self.listen_port}")
+            address = f"{self.listen_host}:{self.listen_port}"
+            if self._tls is not None:
+                port = server.add_secure_port(address, self._tls.server_credentials())
+            else:
+                port = server.add_insecure_port(address)
             if port == 0:
                 raise OSError(f"cannot listen on {self.listen_host}:{self.listen_port}")
             self.endpoint = f"{self.advertise_host}:{port}"
@@ -82,8 +93,14 @@ class RemoteExtension:
         except BaseException:
             self.stop()
             raise
-        _log.info("remote tier: agent %s, arena registered once (%d MiB), Remote service on %s",
-                  self.agent_name, self.nbytes >> 20, self.endpoint)
+        _log.info("remote tier: agent %s, arena registered once (%d MiB), Remote service on %s (%s)",
+                  self.agent_name, self.nbytes >> 20, self.endpoint, self.auth_mode)
+        if self._secret is None and self._tls is None:
+            _log.warning("remote endpoint %s is UNAUTHENTICATED: any host that reaches it can attach and read "
+                         "the arena; pass secret= and/or tls= to remote_extension()", self.endpoint)
+        elif self._tls is None:
+            _log.warning("remote endpoint %s checks a shared secret without TLS: the secret crosses the "
+                         "network in clear text; add tls= to remote_extension()", self.endpoint)
         return self.stop
 
     def stop(self) -> None:
@@ -106,6 +123,18 @@ class RemoteExtension:
             except BufferError:
                 _log.warning("arena mapping of the remote tier still viewed; left to the GC")
             self._mmap = None
+
+    # -- authentication --------------------------------------------------------------------------
+    @property
+    def auth_mode(self) -> str:
+        modes = [m for m, on in (("shared secret", self._secret), ("mutual TLS", self._tls)) if on is not None]
+        return " + ".join(modes) or "unauthenticated"
+
+    def authenticate(self, context) -> None:
+        """Abort with UNAUTHENTICATED unless the call carries the shared secret (when one is set).
+        The TLS handshake (client certificate) happened before any call reached us."""
+        if self._secret is not None and not secret_matches(context.invocation_metadata(), self._secret):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated: missing or wrong remote secret")
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, peer: str) -> tuple[str, str]:
@@ -160,6 +189,8 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
 
     def Describe(self, request, context):
         ext = self._ext
+        if not context.peer().startswith("unix:"):  # a local producer's exporter asks over the socket
+            ext.authenticate(context)
         return rpb.RemoteInfo(
             instance_id=ext.daemon.instance_id,
             shm_namespace=ext.daemon.arena_info.shm_namespace,
@@ -170,6 +201,7 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
 
     def Attach(self, request, context):
         ext = self._ext
+        ext.authenticate(context)
         if ext._stopping.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "daemon_unavailable: daemon stopping")
         _, token = ext.open_session(request.peer_name)
@@ -200,6 +232,13 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
         if not request.tensors:
             raise InvalidArgument("tensors must not be empty")
         handles = [t.shm for t in request.tensors]
+        arena = ext.daemon.arena_info.segment_name
+        for h in handles:
+            # Only the arena is registered with NIXL: a region for another segment (a dedicated
+            # loan's own segment) would name whatever arena bytes sit at its offset.
+            if h.name != arena:
+                raise InvalidArgument(f"handle of segment {h.name!r} cannot be read remotely: the remote tier "
+                                      f"serves the arena only (dedicated-segment loans are node-local)")
         tokens = [t.commit_token for t in request.tensors]
         lease_ids = ext.daemon.registry.acquire(
             session_id, handles, request.ttl_ms, wait_s, tokens if any(tokens) else ()
@@ -215,10 +254,10 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
         self._ext.daemon.registry.release(session_id, (), request.lease_ids)
         return rpb.RemoteReleaseResponse()
 
-    @staticmethod
-    def _typed(context, fn, request, *args):
+    def _typed(self, context, fn, request, *args):
         from ..errors import ShmTransportError, status_for
 
+        self._ext.authenticate(context)  # outside the try: abort raises a bare Exception
         try:
             return fn(request, context, *args)
         except ShmTransportError as exc:
@@ -234,17 +273,27 @@ def remote_extension(
     listen_port: int = 0,
     advertise_host: str | None = None,
     on_install: Callable[[RemoteExtension], None] | None = None,
+    *,
+    secret: str | None = None,
+    tls: RemoteTLS | None = None,
 ):
     """A ``Daemon`` extension serving the remote tier.
 
     ``listen_host``/``listen_port``: the TCP address remote peers dial (default loopback, any free
     port); ``advertise_host``: the host written into descriptors (default ``listen_host``);
     ``on_install`` receives the ``RemoteExtension`` (endpoint, agent).
-    The extension object is also set as ``daemon.remote``.
+    ``secret``: a shared secret every peer call must carry (``RemoteReader(secret=...)``);
+    ``tls``: a ``RemoteTLS`` (this daemon's certificate and key, the CA of the peers' client
+    certificates): TLS on the TCP port, client certificates required. Neither: unauthenticated
+    (a warning at start). The extension object is also set as ``daemon.remote``.
     """
+    # Bad options fail here, not inside Daemon.start.
+    check_secret(secret)
+    if tls is not None and not isinstance(tls, RemoteTLS):
+        raise InvalidArgument("tls must be a shmtransport.remote.RemoteTLS")
 
     def install(daemon, server: grpc.Server):
-        ext = RemoteExtension(daemon, listen_host, listen_port, advertise_host)
+        ext = RemoteExtension(daemon, listen_host, listen_port, advertise_host, secret, tls)
         stop = ext.install(server)
         daemon.remote = ext
         if on_install is not None:

@@ -6,7 +6,9 @@ deregistered when released). Per batch and owning daemon: one ``RemoteAcquire`` 
 regions), one NIXL READ request with every descriptor, one ``RemoteRelease``. The leases are
 released only after the READ completed, and on every failure path; the content digest is verified
 after the read (``IdentityMismatch``). If this process dies mid-read, the daemon reclaims its leases
-when the Attach stream drops.
+when the Attach stream drops. ``secret`` / ``tls`` authenticate the reader to the daemons
+(``remote_extension(secret=, tls=)``); a daemon that refuses them gives PermissionDenied (secret) or
+Unavailable (TLS handshake).
 """
 from __future__ import annotations
 
@@ -24,12 +26,21 @@ import grpc
 import numpy as np
 
 from .._backend import kernels
-from ..errors import DeadlineExceeded, IdentityMismatch, InvalidArgument, ShmTransportError, Unavailable, error_from_rpc
+from ..errors import (
+    DeadlineExceeded,
+    IdentityMismatch,
+    InvalidArgument,
+    PermissionDenied,
+    ShmTransportError,
+    Unavailable,
+    error_from_rpc,
+)
 from ..tensors import dtype_from_name, to_torch
 from ..v1 import remote_pb2 as rpb
 from ..v1 import remote_pb2_grpc as rpb_grpc
 from . import descriptor as _desc
 from ._nixl import new_agent
+from .auth import SECRET_METADATA_KEY, RemoteTLS, check_secret
 from .daemon_ext import REMOTE_SESSION_METADATA_KEY
 
 _log = logging.getLogger("shmtransport.remote")
@@ -38,6 +49,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
 ]
+
+
+def _rpc_error(err: grpc.RpcError) -> ShmTransportError:
+    if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # only the remote tier sends it: no row in the errors table
+        return PermissionDenied(f"remote daemon refused our credentials: {err.details()}")
+    return error_from_rpc(err)
 
 
 def _page_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
@@ -159,23 +176,30 @@ class _Peer:
 
     def __init__(self, reader: "RemoteReader", endpoint: str):
         self.endpoint = endpoint
-        self._channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        if reader._tls is not None:
+            self._channel = grpc.secure_channel(endpoint, reader._tls.channel_credentials(),
+                                                options=CHANNEL_OPTIONS + reader._tls.channel_options())
+        else:
+            self._channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         self.stub = rpb_grpc.RemoteStub(self._channel)
         self._call = None
         self.remote_name: str | None = None
         self._agent = reader.agent
+        auth = ((SECRET_METADATA_KEY, reader._secret),) if reader._secret is not None else ()
         try:
-            self._call = self.stub.Attach(rpb.AttachRequest(peer_name=reader.name))
+            self._call = self.stub.Attach(rpb.AttachRequest(peer_name=reader.name), metadata=auth)
             event = next(self._call)
         except grpc.RpcError as err:
             self.close()
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise PermissionDenied(f"remote daemon at {endpoint} refused our credentials: {err.details()}") from None
             raise Unavailable(f"cannot attach to remote daemon at {endpoint}: {err.details() or err.code()}") from err
         except StopIteration as exc:
             self.close()
             raise Unavailable(f"remote daemon at {endpoint} ended the Attach stream") from exc
         self.agent_name = event.agent_name
         self.instance_id = event.instance_id
-        self._metadata = ((REMOTE_SESSION_METADATA_KEY, event.session_token),)
+        self._metadata = ((REMOTE_SESSION_METADATA_KEY, event.session_token),) + auth
         try:
             name = self._agent.add_remote_agent(event.agent_metadata)
         except Exception as exc:
@@ -191,7 +215,7 @@ class _Peer:
         try:
             return getattr(self.stub, method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise _rpc_error(err) from None
 
     def release_future(self, request, timeout_s: float):
         return self.stub.RemoteRelease.future(request, timeout=timeout_s, metadata=self._metadata)
@@ -213,7 +237,7 @@ def _log_release_failure(future) -> None:
     exc = future.exception()
     if exc is None:
         return
-    err = error_from_rpc(exc) if isinstance(exc, grpc.RpcError) else exc
+    err = _rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc
     if isinstance(err, Unavailable):
         return  # the daemon is gone, and with it our session and its leases
     _log.warning("remote lease release failed: %s", err)
@@ -224,11 +248,19 @@ class RemoteReader:
 
     ``pool_slots`` × ``slot_nbytes`` are registered once at construction; larger tensors (or a full
     pool) get a buffer registered for that read only. ``verify``: check the content digest after
-    each read (default: whenever the handle carries one).
+    each read (default: whenever the handle carries one). ``secret``: the shared secret of the
+    daemons (``remote_extension(secret=)``), sent on every call; ``tls``: a ``RemoteTLS`` with this
+    reader's client certificate and key and the CA of the daemons' certificates. Both apply to every
+    daemon this reader dials.
     """
 
     def __init__(self, name: str | None = None, pool_slots: int = 16, slot_nbytes: int = 8 << 20,
-                 timeout_s: float = 30.0, verify: bool = True, large_cache_nbytes: int = 512 << 20):
+                 timeout_s: float = 30.0, verify: bool = True, large_cache_nbytes: int = 512 << 20,
+                 *, secret: str | None = None, tls: RemoteTLS | None = None):
+        if tls is not None and not isinstance(tls, RemoteTLS):
+            raise InvalidArgument("tls must be a shmtransport.remote.RemoteTLS")
+        self._secret = check_secret(secret)
+        self._tls = tls
         self.name = name or f"shmt-reader-{os.getpid()}-{secrets.token_hex(4)}"
         self.timeout_s = timeout_s
         self.verify = verify

@@ -1,0 +1,377 @@
+"""Attacks on the trust boundary, run with real processes: an impostor at the socket, a second
+tenant (uid 65534, a throwaway uid), floods of sessions, handshakes, oversized and unauthenticated
+requests, waiting calls, and a Loan whose caller gives up. Each test fails on a daemon without the
+defence it names (see docs/security.md)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from shmtransport.client import Consumer, Handle, Producer
+from shmtransport.daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
+from shmtransport.daemon.sessions import MAX_PENDING_PER_UID
+from shmtransport.errors import (
+    DeadlineExceeded,
+    HandleError,
+    InvalidArgument,
+    PermissionDenied,
+    Reason,
+    ResourceExhausted,
+    ShmTransportError,
+    Unavailable,
+)
+from shmtransport.testing import BlockingChild, run_in_child, short_tmpdir, remove_tree, wait_until
+from shmtransport.v1 import daemon_pb2 as pb
+from shmtransport.v1 import daemon_pb2_grpc as pb_grpc
+
+TIMEOUT_S = 10.0
+NOBODY = 65534
+MiB = 1 << 20
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a second uid")
+
+
+def _become_nobody() -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
+def _error(exc: BaseException) -> str:
+    if isinstance(exc, ShmTransportError):
+        return f"{type(exc).__name__}/{exc.reason.value}"
+    return f"UNTYPED {type(exc).__name__}: {exc}"
+
+
+# -- who the client talks to -----------------------------------------------------------------------
+def _impostor(conn, directory: str) -> None:
+    """As uid 65534: serve a fake daemon (session socket + gRPC socket path) and report what arrives."""
+    _become_nobody()
+    path = os.path.join(directory, "d.sock")
+    grpc_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    grpc_sock.bind(path)
+    session = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    session.bind(path + ".session")
+    os.chmod(path + ".session", 0o666)
+    session.listen(8)
+    session.settimeout(TIMEOUT_S)
+    conn.send(path)
+    received = b""
+    peer, _ = session.accept()
+    peer.settimeout(TIMEOUT_S)
+    try:
+        while chunk := peer.recv(4096):  # a real client would send its access request here
+            received += chunk
+            if b"\n" in received:
+                peer.sendall(json.dumps({"instance_id": "0" * 12, "segment_name": "../../../etc/shadow",
+                                         "arena_nbytes": 4096, "session_id": "s", "token": "t"}).encode() + b"\n")
+    except OSError:
+        pass
+    conn.send(received)
+    conn.recv()
+
+
+@needs_root
+def test_a_client_refuses_a_daemon_impostor_of_another_uid_before_sending_anything():
+    directory = short_tmpdir()
+    os.chmod(directory, 0o1777)  # a world-writable place, like /tmp: anybody may bind there
+    try:
+        with BlockingChild(_impostor, directory) as child:
+            path = child.recv()
+            with pytest.raises(PermissionDenied, match="uid 65534"):
+                Producer(path, timeout_s=3)
+            assert child.recv() == b""  # not even the access request reached the impostor
+            child.send("exit")
+    finally:
+        remove_tree(directory)
+
+
+def _fake_daemon_same_uid(path: str, hello: dict, fd: int, ready: threading.Event, served: list) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".session")
+    listener.listen(1)
+    listener.settimeout(TIMEOUT_S)
+    ready.set()
+    try:
+        peer, _ = listener.accept()
+        peer.settimeout(TIMEOUT_S)
+        peer.recv(1024)
+        socket.send_fds(peer, [json.dumps(hello).encode() + b"\n"], [fd])
+        served.append(peer)
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("case", ["path_in_name", "world_readable_file", "symlinked_name"])
+def test_a_client_checks_the_arena_it_is_handed_before_mapping_it(tmp_path, case):
+    """A daemon (even of the right uid) cannot make a client map a path, a world-readable file, or
+    anything but a plain 0600 regular file of its own."""
+    path = str(tmp_path / "d.sock")
+    socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).bind(path)  # the gRPC socket: a real socket
+    target = tmp_path / "victim"
+    target.write_bytes(b"\0" * 4096)
+    os.chmod(target, 0o644 if case == "world_readable_file" else 0o600)
+    name = {"path_in_name": "../../tmp/victim", "symlinked_name": "shmt-x-arena/.."}.get(case, "shmt-ok-arena")
+    hello = {"instance_id": "0" * 12, "segment_name": name, "arena_nbytes": 4096, "shm_namespace": "x",
+             "session_id": "s", "token": "t"}
+    fd = os.open(target, os.O_RDWR)
+    ready, served = threading.Event(), []
+    thread = threading.Thread(target=_fake_daemon_same_uid, args=(path, hello, fd, ready, served))
+    thread.start()
+    try:
+        ready.wait(TIMEOUT_S)
+        with pytest.raises((HandleError, PermissionDenied)):
+            Producer(path, timeout_s=3)
+    finally:
+        thread.join(TIMEOUT_S)
+        os.close(fd)
+        for peer in served:
+            peer.close()
+    assert target.read_bytes() == b"\0" * 4096
+
+
+# -- tenants ------------------------------------------------------------------------------------------
+def _open_to_nobody(daemon) -> None:
+    """The test's private socket directory must be traversable by the second tenant."""
+    os.chmod(os.path.dirname(daemon.socket_path), 0o711)
+
+
+def _tenant_nobody(conn, socket_path: str, foreign: bytes, root_arena: str) -> None:
+    """As uid 65534, an allowed tenant: works with its own arena, cannot touch the root tenant's."""
+    _become_nobody()
+    out = {}
+    with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as producer, \
+            Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as consumer:
+        mine = producer.put(np.arange(256, dtype=np.int32), hash=True)
+        with consumer.acquire(mine) as lease:
+            lease.verify()
+            out["own_roundtrip"] = bool(np.array_equal(lease.array, np.arange(256, dtype=np.int32)))
+        out["own_segment"] = mine.shm.name
+        try:
+            consumer.acquire(Handle.from_bytes(foreign))
+            out["foreign_acquire"] = "ACQUIRED"
+        except ShmTransportError as exc:
+            out["foreign_acquire"] = _error(exc)
+        try:
+            os.open(f"/dev/shm/{root_arena}", os.O_RDONLY)
+            out["foreign_arena_file"] = "OPENED"
+        except PermissionError:
+            out["foreign_arena_file"] = "EACCES"
+        producer.release(mine, wait=True)
+        # A fresh loan of the whole arena: only this tenant's own bytes could ever be in it.
+        loan = producer.loan(producer_arena_nbytes(producer))
+        out["fresh_loan_has_foreign_bytes"] = bool((loan.array == 0xAB).sum() > 1024)
+        loan.release()
+        out["stat"] = (consumer.stat().tenant, len(consumer.stat().clients))
+    conn.send(out)
+    conn.recv()
+
+
+def producer_arena_nbytes(producer: Producer) -> int:
+    return int(producer._conn.hello["arena_nbytes"])
+
+
+@needs_root
+def test_a_second_uid_is_its_own_tenant_and_cannot_read_acquire_or_see_the_others(make_daemon):
+    daemon = make_daemon(allowed_uids=(0, NOBODY), arena_nbytes=4 * MiB)
+    _open_to_nobody(daemon)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        secret = producer.put(np.full(MiB, 0xAB, dtype=np.uint8), hash=True)
+        scratch = producer.put(np.full(MiB, 0xAB, dtype=np.uint8))
+        producer.release(scratch, wait=True)  # freed bytes of root's tenant, not scrubbed
+        with BlockingChild(_tenant_nobody, daemon.socket_path, secret.to_bytes(), daemon.segment_names[0]) as child:
+            out = child.recv()
+            child.send("exit")
+        assert out["own_roundtrip"], out
+        assert out["own_segment"] != secret.shm.name and out["own_segment"] in daemon.segment_names
+        assert out["foreign_acquire"] == "PermissionDenied/permission_denied", out
+        assert out["foreign_arena_file"] == "EACCES", out
+        assert out["fresh_loan_has_foreign_bytes"] is False, out
+        assert out["stat"] == (f"uid:{NOBODY}", 2), out  # its own tenant's view only
+        assert daemon.stat().live_leases == 0 and len(consumer.stat().clients) == 2
+        producer.release(secret, wait=True)
+
+
+# -- bounded resources --------------------------------------------------------------------------------
+def test_sessions_are_bounded_per_tenant(make_daemon):
+    daemon = make_daemon(max_sessions_per_tenant=3)
+    clients = [Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) for _ in range(3)]
+    try:
+        with pytest.raises(ResourceExhausted, match="max_sessions_per_tenant"):
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S)
+        clients.pop().close()
+        wait_until(lambda: len(daemon.stat().clients) == 2, timeout_s=5, what="session closed")
+        clients.append(Consumer(daemon.socket_path, timeout_s=TIMEOUT_S))  # room again
+    finally:
+        for client in clients:
+            client.close()
+
+
+def _idle_handshakes(conn, session_path: str, count: int) -> None:
+    _become_nobody()
+    socks, refused = [], 0
+    for _ in range(count):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(TIMEOUT_S)
+        s.connect(session_path)
+        socks.append(s)
+    for s in socks:  # those over the bound are answered (refused) at once; the rest hear nothing
+        s.settimeout(0.5)
+        try:
+            refused += b"resource_exhausted" in s.recv(4096)
+        except TimeoutError:
+            pass
+    conn.send(refused)
+    conn.recv()
+    for s in socks:
+        s.close()
+
+
+@needs_root
+def test_idle_handshakes_of_one_uid_are_bounded_and_do_not_lock_out_another_tenant(make_daemon):
+    daemon = make_daemon(allowed_uids=(0, NOBODY))
+    _open_to_nobody(daemon)
+    count = MAX_PENDING_PER_UID + 100
+    with BlockingChild(_idle_handshakes, daemon.socket_path + ".session", count) as child:
+        refused = child.recv(timeout_s=60)
+        assert refused >= count - MAX_PENDING_PER_UID  # held: at most the bound
+        with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:  # root's tenant is served
+            assert consumer.stat().tenant == "uid:0"
+        child.send("exit")
+
+
+def test_a_hold_longer_than_the_cap_is_refused(make_daemon):
+    daemon = make_daemon(max_hold_ms=1000)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        loan = producer.loan(64)
+        with pytest.raises(InvalidArgument, match="hold_ms"):
+            loan.commit(hold_ms=3_600_000, wait=True)
+        loan.release()
+
+
+def test_dedicated_segments_are_bounded_by_the_tenant_quota_and_the_shm_reserve(make_daemon):
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    daemon = make_daemon(arena_nbytes=4 * MiB, quota_nbytes=64 * MiB, shm_reserve_nbytes=free - 24 * MiB)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
+        held = []
+        with pytest.raises(ResourceExhausted) as info:
+            for _ in range(64):
+                held.append(producer.put(np.zeros(4 * MiB, np.uint8), dedicated=True))
+        assert info.value.reason is Reason.SHM_TOO_SMALL, info.value
+        assert 3 <= len(held) <= 6  # about 20 MiB of the 24 the reserve leaves us
+        st = os.statvfs("/dev/shm")
+        assert st.f_bavail * st.f_frsize >= daemon.config.shm_reserve_nbytes - MiB  # others' slack
+        producer.release(held, wait=True)
+    quota = make_daemon(arena_nbytes=4 * MiB)  # default: the tenant's bytes, arena and dedicated, <= the arena size
+    with Producer(quota.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
+        first = producer.put(np.zeros(3 * MiB, np.uint8), dedicated=True)
+        with pytest.raises(ResourceExhausted) as info:
+            producer.put(np.zeros(2 * MiB, np.uint8), dedicated=True)
+        assert info.value.reason is Reason.QUOTA_EXCEEDED
+        producer.release(first, wait=True)
+        del info
+
+
+# -- oversized, unauthenticated and waiting requests ---------------------------------------------------
+def _raw_stub(daemon):
+    channel = grpc.insecure_channel(f"unix:{daemon.socket_path}", options=GRPC_OPTIONS)
+    return channel, pb_grpc.DaemonStub(channel)
+
+
+def test_unauthenticated_calls_are_refused_before_their_body_is_parsed(daemon):
+    channel = grpc.insecure_channel(f"unix:{daemon.socket_path}", options=GRPC_OPTIONS)
+    try:
+        garbage = channel.unary_unary("/shmtransport.v1.Daemon/Loan")  # raw bytes, not a LoanRequest
+        with pytest.raises(grpc.RpcError) as info:
+            garbage(b"\xff" * (2 * MiB), timeout=TIMEOUT_S)
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED  # not INTERNAL: never parsed
+    finally:
+        channel.close()
+
+
+def test_requests_over_the_size_and_count_limits_are_refused_without_expansion(daemon):
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        token = producer._conn.hello["token"]
+        channel, stub = _raw_stub(daemon)
+        metadata = ((SESSION_METADATA_KEY, token),)
+        try:
+            huge = pb.LoanRequest(nbytes=[64], release=pb.ReleaseRequest(lease_ids=range(1, 8_000_000)))
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Loan(huge, timeout=TIMEOUT_S, metadata=metadata)
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # over the message size
+            over_count = pb.LoanRequest(nbytes=[64], release=pb.ReleaseRequest(lease_ids=range(1, 5000)))
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Loan(over_count, timeout=TIMEOUT_S, metadata=metadata)
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "batch limit" in info.value.details()
+        finally:
+            channel.close()
+        assert daemon.stat().live_objects == 0  # the refused Loans allocated nothing
+        del info
+
+
+def test_a_commit_wakes_only_the_acquires_waiting_for_its_objects(make_daemon):
+    daemon = make_daemon(commit_wait_s=5.0, arena_nbytes=16 * MiB)
+    registry = daemon.registry
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as waiter, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as victim:
+        pending = producer.loan_many([(64, None, None)] * 1000)  # never committed while we measure
+        handles = [Handle(loan.handle.shm, "uint8", (64,)) for loan in pending]
+        errors = []
+        threads = [threading.Thread(target=lambda: errors.append(_acquire_error(waiter, handles))) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(registry._commit_waiters) == 1000
+                   and all(len(w) == 4 for w in list(registry._commit_waiters.values())),
+                   timeout_s=5, what="acquires waiting")
+        resolved = _count_calls(registry, "_resolve")
+        for _ in range(20):
+            h = producer.put(np.zeros(64, np.uint8))
+            victim.release_many([victim.acquire(h)])
+            producer.release(h)
+        victim.flush()
+        # The victim's own handles only (a few per round trip), not 4 x 1000 rescans per commit.
+        assert resolved() < 20 * 10, resolved()
+        for loan in pending:
+            loan.release()
+        producer.flush()
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        assert len(errors) == 4 and all(e is not None for e in errors)
+
+
+def _acquire_error(consumer, handles):
+    try:
+        consumer.release_many(consumer.acquire_many(handles))
+    except ShmTransportError as exc:
+        return exc
+    return None
+
+
+def _count_calls(obj, name):
+    original = getattr(obj, name)
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return lambda: calls[0]
+
+
+def test_a_loan_whose_caller_gave_up_while_the_daemon_was_busy_is_undone(daemon):
+    registry = daemon.registry
+    with Producer(daemon.socket_path, timeout_s=0.3, alloc_wait_s=0) as producer:
+        with registry._lock:  # the daemon is busy for longer than the caller waits
+            with pytest.raises((DeadlineExceeded, Unavailable)):
+                producer.loan(4096)
+        s = wait_until(lambda: (s := daemon.stat()).allocations_total == 1 and s, timeout_s=5,
+                       what="the daemon served the abandoned loan")
+        assert s.live_objects == 0 and s.used_nbytes == 0
