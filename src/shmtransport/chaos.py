@@ -50,8 +50,9 @@ PRODUCER_POINTS = ("before_loan", "after_loan", "mid_copy", "after_commit", "bef
 CONSUMER_POINTS = ("before_acquire", "after_acquire", "after_verify", "after_release")
 CONSUMER_PHASES = tuple("c_" + p for p in CONSUMER_POINTS)
 POINTS = PRODUCER_POINTS + CONSUMER_PHASES
-# "stall": the consumer stops (alive, lease held) at c_after_acquire until its lease expires by TTL
-# and the bytes are reused; when it goes on, Lease.verify must detect that (IdentityMismatch).
+# "stall": the consumer stops (alive, lease held) at c_after_acquire until its lease outlives its
+# TTL and is quarantined; the producer puts more bytes meanwhile, which must land elsewhere: when
+# the consumer goes on, its bytes are still the right ones.
 PARTIES = ("producer", "consumer", "daemon", "stall", "none")
 PARTY_WEIGHTS = (0.3, 0.3, 0.1, 0.02, 0.28)
 
@@ -176,7 +177,7 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                 conn.send(("ok", known_bug))
             elif cmd == "stat":
                 s = client.stat()
-                conn.send(("stat", s.live_objects, s.live_leases))
+                conn.send(("stat", s.live_objects, s.live_leases, s.quarantined_leases))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
         except ShmTransportError as exc:
@@ -330,7 +331,6 @@ class Chaos:
                  lease_ttl_ms: int = 1000, max_nbytes: int = 256 << 10, kills: bool = True):
         self.rng = random.Random(seed)
         self.lease_ttl_ms = lease_ttl_ms
-        self._stalled = False
         self.seed = seed
         self.kills_enabled = kills
         self.max_nbytes = max_nbytes
@@ -455,7 +455,6 @@ class Chaos:
             point = rng.choice(POINTS)
         if party == "stall":
             point = "c_after_acquire"
-        self._stalled = party == "stall"
         pause_at = None if party == "none" else point
         p_idx = rng.randrange(self.n_producers)
         c_idx = rng.randrange(self.n_consumers)
@@ -505,15 +504,16 @@ class Chaos:
             self.outcomes[f"{step}:{kind}"] += 1
         if kind == "crash":
             self._fail(f"{step}: untyped exception in the worker:\n{answer[1]}")
-        elif kind == "foreign" and not self._stalled:
+        elif kind == "foreign":
             self._fail(f"{step}: stale or foreign bytes: {answer[1]}")
         elif kind == "silent_foreign":
             self._fail(f"{step}: foreign bytes passed verification: {answer[1]}")
 
     def _stall(self, p_idx: int, c_idx: int) -> None:
         """The consumer waits (alive, its lease held) at c_after_acquire: the producer releases, the
-        lease must expire by TTL, then the same producer puts other bytes of the same size (the
-        allocator reuses the freed range) and releases them."""
+        lease must outlive its TTL and be quarantined (the object stays), then the same producer
+        puts other bytes of the same size (which must not reuse the quarantined range) and
+        releases them."""
         producer = self.workers["producer"][p_idx]
         answer = self._run(producer, ("release", None), None, "none", p_idx, c_idx, [])
         if answer is None or answer[0] != "released":
@@ -523,21 +523,23 @@ class Chaos:
         deadline = time.monotonic() + self.lease_ttl_ms / 1000 + SETTLE_S
         state = None
         while time.monotonic() < deadline:
-            state = self._daemon_state(other)
-            if state == (0, 0):
+            state = self._daemon_state(other, quarantined=True)
+            if state == (1, 1, 1):
                 break
             time.sleep(0.05)
-        if state != (0, 0):
-            self._fail(f"stall: the stalled consumer's lease did not expire by TTL ({self.lease_ttl_ms} ms): {state}")
+        if state != (1, 1, 1):
+            self._fail(f"stall: the stalled consumer's lease was not quarantined after its TTL "
+                       f"({self.lease_ttl_ms} ms): (objects, leases, quarantined) = {state}")
             return
-        self.outcomes["stall:lease_expired_by_ttl"] += 1
+        self.outcomes["stall:lease_quarantined"] += 1
         for _ in range(2):  # the first put may land elsewhere if the arena is fragmented
             answer = self._run(producer, ("put", self.rng.randrange(1 << 31), self._nbytes, None), None, "none",
                                p_idx, c_idx, [])
             self._run(producer, ("release", None), None, "none", p_idx, c_idx, [])
 
-    def _daemon_state(self, index: int = 0) -> tuple[int, int] | None:
-        """(live objects, live leases) through a consumer worker's Stat (None if unreachable)."""
+    def _daemon_state(self, index: int = 0, quarantined: bool = False) -> tuple[int, ...] | None:
+        """(live objects, live leases[, quarantined leases]) through a consumer worker's Stat (None
+        if unreachable)."""
         worker = self.workers["consumer"][index]
         worker.wait_ready()
         worker.send(("stat",))
@@ -550,7 +552,7 @@ class Chaos:
             return None
         if answer[0] != "stat":
             return None
-        return answer[1], answer[2]
+        return tuple(answer[1:4] if quarantined else answer[1:3])
 
     def _check_settled(self) -> None:
         self.daemon.wait_ready()

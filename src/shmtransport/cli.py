@@ -36,6 +36,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
         quota_leases=args.quota_leases,
         default_lease_ttl_ms=args.lease_ttl_ms,
         metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -111,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("daemon", help="run the node-local shared-memory daemon")
-    d.add_argument("--socket", default=default_socket_path(), help="Unix socket path (default: %(default)s)")
+    d.add_argument("--socket", default=default_socket_path(),
+                   help="Unix socket path; its directory (created if missing) must be writable by this uid only "
+                        "(default: $SHMTRANSPORT_SOCKET, else %(default)s)")
     d.add_argument("--arena-size", type=_size, default=None, help="arena bytes (default: half of /dev/shm free)")
     d.add_argument("--name-prefix", default="shmt", help="prefix of segment names (default: %(default)s)")
     d.add_argument("--allow-uid", type=int, action="append", help="uid allowed to connect (repeatable)")
@@ -120,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quota-leases", type=int, default=100_000, help="per-client live leases")
     d.add_argument("--lease-ttl-ms", type=int, default=300_000, help="default lease TTL")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    d.add_argument("--metrics-address", default=None, metavar="HOST:PORT|unix:PATH",
+                   help="serve Prometheus metrics on this TCP address or Unix socket (0600) instead")
     d.add_argument("--log-level", default="INFO")
     d.set_defaults(func=_run_daemon)
 

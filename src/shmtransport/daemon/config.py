@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 
 from .segments import shm_free_nbytes, shm_size_advice
 
@@ -16,8 +15,19 @@ MAX_DEFAULT_ARENA = 8 << 30
 
 
 def default_socket_path() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return os.path.join(base, "shmtransport.sock")
+    """``$SHMTRANSPORT_SOCKET``, else a ``daemon.sock`` in a directory only this uid can create
+    entries in (the daemon creates it 0700 and refuses one anybody else could write to): root's
+    ``/run/shmtransport``, ``$XDG_RUNTIME_DIR/shmtransport``, or ``/tmp/shmtransport-<uid>``."""
+    explicit = os.environ.get("SHMTRANSPORT_SOCKET")
+    if explicit:
+        return explicit
+    euid = os.geteuid()
+    if euid == 0:
+        return "/run/shmtransport/daemon.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "shmtransport", "daemon.sock")
+    return f"/tmp/shmtransport-{euid}/daemon.sock"
 
 
 def default_arena_nbytes() -> int:
@@ -40,10 +50,18 @@ class DaemonConfig:
     socket_path: str = dataclasses.field(default_factory=default_socket_path)
     arena_nbytes: int | None = None  # None: default_arena_nbytes()
     name_prefix: str = "shmt"
+    # Tenants: each allowed uid is one tenant, each allowed group one more (its members share it).
+    # Every tenant gets its own arena, quotas and wait slots; the first uid is the default tenant.
     allowed_uids: tuple[int, ...] = dataclasses.field(default_factory=lambda: (os.getuid(),))
-    socket_group: str | None = None  # when set: sockets 0660 owned by this group, else 0600
-    quota_nbytes: int | None = None  # per session; None: the whole arena
-    quota_leases: int = 100_000
+    allowed_groups: tuple[str, ...] = ()
+    socket_group: str | None = None  # when set: sockets 0660 owned by this group (see socket_mode)
+    quota_nbytes: int | None = None  # per tenant, arena and dedicated bytes; None: the arena size
+    quota_leases: int = 100_000  # per tenant
+    max_sessions_per_tenant: int = 256
+    max_hold_ms: int = 60_000
+    # /dev/shm bytes the daemon never takes for dedicated segments (left to the rest of the node);
+    # None: 5 % of /dev/shm, at least 64 MiB.
+    shm_reserve_nbytes: int | None = None
     default_lease_ttl_ms: int = 300_000
     max_lease_ttl_ms: int = 3_600_000
     default_hold_ms: int = 0
@@ -53,7 +71,8 @@ class DaemonConfig:
     commit_wait_s: float = 2.0  # how long Acquire waits for a commit still in flight
     max_alloc_wait_ms: int = 10_000  # cap on a Loan's back-pressure wait for free space
     page_align_min_nbytes: int = 64 * 1024
-    metrics_port: int | None = None
+    metrics_port: int | None = None  # shorthand for metrics_address "127.0.0.1:PORT"
+    metrics_address: str | None = None  # "HOST:PORT" or "unix:/path"
     # Threads serving RPCs. Acquire (waiting for a commit in flight) and Loan (waiting for space)
     # park a thread for a bounded time; a large pool keeps such waits from delaying other clients.
     grpc_workers: int = 64
@@ -65,11 +84,19 @@ class DaemonConfig:
 
     @property
     def socket_mode(self) -> int:
-        return 0o660 if self.socket_group else 0o600
+        """0660 with a socket group (the operator's restriction wins); 0666 when other uids may
+        connect (the handshake's SO_PEERCRED allowlist is then the gate); else 0600."""
+        if self.socket_group:
+            return 0o660
+        euid = os.geteuid()
+        if self.allowed_groups or any(uid != euid for uid in self.allowed_uids):
+            return 0o666
+        return 0o600
 
-    def resolved_arena_nbytes(self) -> int:
+    def resolved_arena_nbytes(self, tenants: int = 1) -> int:
+        """Each tenant's arena: ``arena_nbytes``, or the default split between the tenants."""
         if self.arena_nbytes is None:
-            return default_arena_nbytes()
+            return max(PAGE, default_arena_nbytes() // tenants // PAGE * PAGE)
         if self.arena_nbytes < PAGE:
             raise ValueError(f"arena_nbytes must be >= {PAGE}, got {self.arena_nbytes}")
         return (self.arena_nbytes + PAGE - 1) // PAGE * PAGE

@@ -1,4 +1,10 @@
-"""shmtransportd: the gRPC control service and the embeddable ``Daemon`` (start/stop)."""
+"""shmtransportd: the gRPC control service and the embeddable ``Daemon`` (start/stop).
+
+The daemon serves one or more *tenants*: each allowed uid is one, each allowed group one more.
+A tenant has its own arena (passed to its clients as an fd, never opened by name), its own
+registry (so its handles name nothing in another tenant's), its own quotas, session limit and wait
+slots. The daemon's own uid (the first allowed uid) is the zero-configuration default tenant.
+"""
 from __future__ import annotations
 
 import concurrent.futures
@@ -8,20 +14,38 @@ import grp
 import logging
 import os
 import queue
+import resource
 import threading
 from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..errors import PermissionDenied, ShmTransportError, StateError, status_for
+from ..errors import (
+    InvalidArgument,
+    PermissionDenied,
+    Reason,
+    ResourceExhausted,
+    ShmTransportError,
+    StateError,
+    status_for,
+)
 from ..v1 import daemon_pb2 as pb
 from ..v1 import daemon_pb2_grpc as pb_grpc
 from .allocator import Allocator
 from .config import DaemonConfig
-from .registry import Limits, Registry
-from .segments import Segment, new_instance_id, shm_namespace_id, sweep_dead_instances, validate_prefix
-from .sessions import SessionServer
+from .registry import MAX_BATCH, Limits, Registry
+from .segments import (
+    Segment,
+    ShmReserve,
+    default_shm_reserve_nbytes,
+    new_instance_id,
+    shm_namespace_id,
+    sweep_dead_instances,
+    validate_prefix,
+)
+from .sessions import Admission, SessionServer
+from .socket_dir import claim
 
 _log = logging.getLogger("shmtransport.daemon")
 
@@ -31,7 +55,31 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.so_reuseport", 0),
 ]
+# The largest legitimate request (a batch of MAX_BATCH handles with tokens and a piggybacked
+# release) is about 1 MiB; anything larger is refused by gRPC before it is parsed.
+MAX_REQUEST_NBYTES = 4 << 20
+_SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_REQUEST_NBYTES),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.so_reuseport", 0),
+]
+_DAEMON_METHOD_PREFIX = "/shmtransport.v1.Daemon/"
 _SWEEP_INTERVAL_S = 0.05
+
+
+@dataclasses.dataclass
+class Tenant:
+    """One tenant: who belongs to it, its arena and registry, and its share of waiting threads."""
+
+    key: str  # "uid:<n>" or "group:<name>"
+    uid: int | None
+    gid: int | None
+    segment: Segment
+    registry: Registry
+    wait_slots: queue.SimpleQueue
+
+    def __repr__(self) -> str:
+        return f"Tenant({self.key}, {self.segment.name})"
 
 
 def _typed_errors(method: Callable) -> Callable:
@@ -57,89 +105,124 @@ def _bounded_wait(wait_s: float, context) -> float:
     return wait_s if remaining is None else min(wait_s, max(0.0, remaining - 0.05))
 
 
+class _SessionGate(grpc.ServerInterceptor):
+    """Refuses Daemon calls without a live session token before their body is even parsed, so an
+    unauthenticated peer costs no more than the bytes gRPC already bounds (MAX_REQUEST_NBYTES)."""
+
+    def __init__(self, daemon: "Daemon"):
+        self._daemon = daemon
+        self._refusal = grpc.unary_unary_rpc_method_handler(self._refuse)  # no deserializer: raw bytes
+
+    @staticmethod
+    def _refuse(_raw_request, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      "permission_denied: missing or unknown session token: connect through the session handshake")
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(_DAEMON_METHOD_PREFIX):
+            token = next((v for k, v in handler_call_details.invocation_metadata if k == SESSION_METADATA_KEY), None)
+            if token is None or self._daemon.sessions.session_for_token(token) is None:
+                return self._refusal
+        return continuation(handler_call_details)
+
+
+def _check_release_counts(request) -> None:
+    """Counts of a piggybacked release, checked on the repeated fields before anything expands them."""
+    if request.HasField("release"):
+        count = len(request.release.handles) + len(request.release.lease_ids)
+        if count > MAX_BATCH:
+            raise InvalidArgument(f"piggybacked release: {count} entries exceed the batch limit {MAX_BATCH}")
+
+
 class _Servicer(pb_grpc.DaemonServicer):
     def __init__(self, daemon: "Daemon"):
         self._daemon = daemon
-        self._registry = daemon.registry
-        # Waiting calls park a worker thread; at most half the pool may wait, so the other half
-        # always serves everyone else (no head-of-line blocking). Past that, waits fail fast.
-        # A pool of tokens rather than a BoundedSemaphore: every Loan and Acquire takes one, and
-        # the queue's C get/put cost a fraction of the semaphore's Python-level Condition.
-        self._wait_slots: queue.SimpleQueue[None] = queue.SimpleQueue()
-        for _ in range(max(1, daemon.config.grpc_workers // 2)):
-            self._wait_slots.put(None)
 
-    def _waiting(self, wait_s: float, context, call: Callable[[float], object]):
-        """``call(w)`` with a wait of up to ``wait_s`` (bounded by the caller's deadline) when a wait
-        slot is free, else with no wait."""
+    @staticmethod
+    def _waiting(tenant: Tenant, wait_s: float, context, call: Callable[[float], object]):
+        """``call(w)`` with a wait of up to ``wait_s`` (bounded by the caller's deadline) when one
+        of the tenant's wait slots is free, else with no wait. Waiting calls park a worker thread:
+        each tenant may park only its share of half the pool, so the other half always serves
+        everyone, and no tenant's waiters can take another's."""
         if wait_s <= 0:
             return call(0.0)
         try:
-            self._wait_slots.get_nowait()
+            tenant.wait_slots.get_nowait()
         except queue.Empty:
             return call(0.0)
         try:
             return call(_bounded_wait(wait_s, context))
         finally:
-            self._wait_slots.put(None)
+            tenant.wait_slots.put(None)
 
-    def _session_id(self, context) -> str:
+    def _session(self, context) -> tuple[str, Tenant]:
         for key, value in context.invocation_metadata():
             if key == SESSION_METADATA_KEY:
-                session_id = self._daemon.sessions.session_for_token(value)
-                if session_id is not None:
-                    return session_id
+                found = self._daemon.sessions.session_for_token(value)
+                if found is not None:
+                    return found
                 break
         raise PermissionDenied("missing or unknown session token: connect through the session handshake")
 
     @_typed_errors
     def Info(self, request, context):
-        self._session_id(context)
-        return self._daemon.arena_info
+        _, tenant = self._session(context)
+        return self._daemon.arena_info_of(tenant)
 
-    def _piggybacked_release(self, session_id: str, request) -> None:
+    @staticmethod
+    def _piggybacked_release(tenant: Tenant, session_id: str, request) -> None:
         if request.HasField("release"):
             r = request.release
-            self._registry.release(session_id, r.handles, r.lease_ids, piggybacked=True)
+            tenant.registry.release(session_id, r.handles, r.lease_ids, piggybacked=True)
 
     @_typed_errors
     def Loan(self, request, context):
-        session_id = self._session_id(context)
-        self._piggybacked_release(session_id, request)
+        session_id, tenant = self._session(context)
+        _check_release_counts(request)
+        self._piggybacked_release(tenant, session_id, request)
+        registry = tenant.registry
         if request.dedicated:
-            return self._registry.loan_dedicated(session_id, request.nbytes)
-        wait_s = min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000
-        return self._waiting(wait_s, context, lambda w: self._registry.loan(session_id, request.nbytes, w))
+            response = registry.loan_dedicated(session_id, request.nbytes)
+        else:
+            wait_s = min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000
+            response = self._waiting(tenant, wait_s, context, lambda w: registry.loan(session_id, request.nbytes, w))
+        if not context.is_active():
+            # The caller gave up (deadline, cancel) while we allocated: nobody will ever see these
+            # handles, so they must not stay allocated to its session.
+            registry.release(session_id, response.handles, ())
+        return response
 
     @_typed_errors
     def Commit(self, request, context):
-        session_id = self._session_id(context)
-        self._piggybacked_release(session_id, request)
-        self._registry.commit(session_id, request.handles, request.hold_ms)
+        session_id, tenant = self._session(context)
+        _check_release_counts(request)
+        self._piggybacked_release(tenant, session_id, request)
+        tenant.registry.commit(session_id, request.handles, request.hold_ms)
         return pb.CommitResponse()
 
     @_typed_errors
     def Acquire(self, request, context):
-        session_id = self._session_id(context)
-        self._piggybacked_release(session_id, request)
+        session_id, tenant = self._session(context)
+        _check_release_counts(request)
+        self._piggybacked_release(tenant, session_id, request)
         lease_ids = self._waiting(
+            tenant,
             self._daemon.config.commit_wait_s,
             context,
-            lambda w: self._registry.acquire(session_id, request.handles, request.ttl_ms, w, request.commit_tokens),
+            lambda w: tenant.registry.acquire(session_id, request.handles, request.ttl_ms, w, request.commit_tokens),
         )
         return pb.AcquireResponse(lease_ids=lease_ids)
 
     @_typed_errors
     def Release(self, request, context):
-        self._registry.release(
-            self._session_id(context), request.handles, request.lease_ids, piggybacked=request.skip_gone
-        )
+        session_id, tenant = self._session(context)
+        tenant.registry.release(session_id, request.handles, request.lease_ids, piggybacked=request.skip_gone)
         return pb.ReleaseResponse()
 
     @_typed_errors
     def Stat(self, request, context):
-        self._session_id(context)
-        return self._daemon.stat()
+        _, tenant = self._session(context)
+        return self._daemon.stat(tenant)
 
 
 class Daemon:
@@ -160,10 +243,11 @@ class Daemon:
         self.instance_id = new_instance_id()
         self._state = "new"
         self._stop_event = threading.Event()
-        self._segment: Segment | None = None
+        self.tenants: list[Tenant] = []
+        self._claim = None  # the socket directory, lock and socket paths, from start() on
+        self._socket_gid: int | None = None
         self._server: grpc.Server | None = None
         self.sessions: SessionServer | None = None
-        self.registry: Registry | None = None
         self._sweeper: threading.Thread | None = None
         self._metrics_server = None
 
@@ -172,59 +256,122 @@ class Daemon:
         if self._state != "new":
             raise StateError(f"daemon already {self._state}")
         cfg = self.config
-        sweep_dead_instances(cfg.name_prefix)
-        arena_nbytes = cfg.resolved_arena_nbytes()
-        segment_name = f"{cfg.name_prefix}-{self.instance_id}-arena"
-        self._segment = Segment.create(segment_name, arena_nbytes)
+        # What can be checked without creating anything is checked first; from the claim on, a
+        # failure is undone by _teardown, so a failed start leaves no segment, socket or lock file.
+        if cfg.socket_group:
+            try:
+                self._socket_gid = grp.getgrnam(cfg.socket_group).gr_gid
+            except KeyError:
+                raise InvalidArgument(f"socket group {cfg.socket_group!r} does not exist") from None
+        # Before anything binds: a private directory, the lock, no leftovers at either socket path.
+        self._claim = claim(cfg.socket_path, other_uids=cfg.socket_mode == 0o666, group_gid=self._socket_gid)
         try:
-            self._start_services(arena_nbytes)
+            sweep_dead_instances(cfg.name_prefix, frozenset(cfg.allowed_uids) if os.geteuid() == 0 else frozenset())
+            self._start_services()
         except BaseException:
+            if self._server is not None:  # started before a later step failed: its fds go too
+                self._server.stop(0).wait(1)
             self._teardown()
             raise
         self._state = "running"
         _log.info(
-            "shmtransportd %s listening on %s; arena %s: %d MiB reserved in /dev/shm",
+            "shmtransportd %s listening on %s; %s",
             self.instance_id,
             cfg.socket_path,
-            segment_name,
-            arena_nbytes >> 20,
+            ", ".join(f"tenant {t.key}: arena {t.segment.name} of {t.segment.nbytes >> 20} MiB" for t in self.tenants),
         )
         return self
 
-    def _start_services(self, arena_nbytes: int) -> None:
+    def _create_tenants(self) -> None:
+        """One arena and registry per allowed uid and group, all reserved before anything is served."""
         cfg = self.config
-        self.arena_info = pb.ArenaInfo(
-            instance_id=self.instance_id,
-            segment_name=self._segment.name,
-            nbytes=arena_nbytes,
-            shm_namespace=cfg.shm_namespace or shm_namespace_id(),
-        )
+        specs: list[tuple[str, int | None, int | None]] = [(f"uid:{uid}", uid, None) for uid in dict.fromkeys(cfg.allowed_uids)]
+        for name in cfg.allowed_groups:
+            try:
+                specs.append((f"group:{name}", None, grp.getgrnam(name).gr_gid))
+            except KeyError:
+                raise InvalidArgument(f"allowed group {name!r} does not exist") from None
+        if not specs:
+            raise InvalidArgument("no tenant: allow at least one uid or group")
+        arena_nbytes = cfg.resolved_arena_nbytes(len(specs))
+        reserve = ShmReserve(default_shm_reserve_nbytes() if cfg.shm_reserve_nbytes is None else cfg.shm_reserve_nbytes)
         limits = Limits(
-            quota_nbytes=cfg.quota_nbytes or arena_nbytes,
+            quota_nbytes=cfg.quota_nbytes,
             quota_leases=cfg.quota_leases,
             default_lease_ttl_ms=cfg.default_lease_ttl_ms,
             max_lease_ttl_ms=cfg.max_lease_ttl_ms,
             default_hold_ms=cfg.default_hold_ms,
+            max_hold_ms=cfg.max_hold_ms,
         )
-        allocator = Allocator(arena_nbytes, cfg.page_align_min_nbytes)
-        self.registry = Registry(self.instance_id, self._segment.name, allocator, limits)
+        wait_share = max(1, cfg.grpc_workers // 2 // len(specs))
+        for index, (key, uid, gid) in enumerate(specs):
+            segment = Segment.create(f"{cfg.name_prefix}-{self.instance_id}-t{index}-arena", arena_nbytes)
+            slots: queue.SimpleQueue[None] = queue.SimpleQueue()
+            for _ in range(wait_share):
+                slots.put(None)
+            registry = Registry(self.instance_id, segment.name, Allocator(arena_nbytes, cfg.page_align_min_nbytes),
+                                limits, reserve, _dedicated_owner(uid, gid), tenant=key)
+            self.tenants.append(Tenant(key, uid, gid, segment, registry, slots))
+
+    def _tenant_of(self, uid: int, groups: Sequence[int]) -> Tenant | None:
+        for tenant in self.tenants:
+            if tenant.uid == uid:
+                return tenant
+        for tenant in self.tenants:
+            if tenant.gid is not None and tenant.gid in groups:
+                return tenant
+        return None
+
+    def _admit(self, pid: int, uid: int, groups: Sequence[int], writable: bool) -> Admission:
+        tenant = self._tenant_of(uid, groups)
+        if tenant is None:
+            raise PermissionDenied(f"uid {uid} is not allowed")
+        if tenant.registry.live_sessions >= self.config.max_sessions_per_tenant:
+            raise ResourceExhausted(
+                f"tenant {tenant.key} already has {self.config.max_sessions_per_tenant} sessions "
+                "(max_sessions_per_tenant); close idle clients", Reason.QUOTA_EXCEEDED,
+            )
+        info = self.arena_info_of(tenant)
         hello = {
             "instance_id": self.instance_id,
-            "segment_name": self._segment.name,
-            "arena_nbytes": arena_nbytes,
-            "shm_namespace": self.arena_info.shm_namespace,
+            "segment_name": info.segment_name,
+            "arena_nbytes": info.nbytes,
+            "shm_namespace": info.shm_namespace,
+            "tenant": tenant.key,
         }
+        return Admission(tenant, hello, tenant.segment.open_fd(writable))
+
+    def arena_info_of(self, tenant: Tenant) -> pb.ArenaInfo:
+        return pb.ArenaInfo(instance_id=self.instance_id, segment_name=tenant.segment.name,
+                            nbytes=tenant.segment.nbytes, shm_namespace=self._shm_namespace)
+
+    @property
+    def registry(self) -> Registry | None:
+        """The default tenant's registry (the daemon's own uid, or the first allowed one)."""
+        return self.tenants[0].registry if self.tenants else None
+
+    @property
+    def arena_info(self) -> pb.ArenaInfo:
+        """The default tenant's arena."""
+        return self.arena_info_of(self.tenants[0])
+
+    def _start_services(self) -> None:
+        cfg = self.config
+        _raise_fd_limit()
+        self._shm_namespace = cfg.shm_namespace or shm_namespace_id()
+        self._create_tenants()
         self.sessions = SessionServer(
             cfg.session_socket_path,
-            frozenset(cfg.allowed_uids),
-            hello,
-            on_open=self.registry.open_session,
-            on_close=self.registry.close_session,
+            lambda uid, groups: self._tenant_of(uid, groups) is not None,
+            self._admit,
+            on_open=lambda session_id, pid, uid, tenant: tenant.registry.open_session(session_id, pid, uid),
+            on_close=lambda session_id, tenant: tenant.registry.close_session(session_id),
             socket_mode=cfg.socket_mode,
         )
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="shmt-rpc"),
-            options=GRPC_OPTIONS,
+            options=_SERVER_OPTIONS,
+            interceptors=[_SessionGate(self)],
         )
         pb_grpc.add_DaemonServicer_to_server(_Servicer(self), self._server)
         health_servicer = health.HealthServicer()
@@ -235,22 +382,20 @@ class Daemon:
             stop = extension(self, self._server)
             if stop is not None:
                 self._extension_stops.append(stop)
-        if os.path.exists(cfg.socket_path):
-            os.unlink(cfg.socket_path)
-        self._server.add_insecure_port(f"unix:{cfg.socket_path}")
+        self._server.add_insecure_port(f"unix:{cfg.socket_path}")  # start() cleared the path
         self._server.start()
         os.chmod(cfg.socket_path, cfg.socket_mode)
-        if cfg.socket_group:
-            gid = grp.getgrnam(cfg.socket_group).gr_gid
+        if self._socket_gid is not None:
             for path in (cfg.socket_path, cfg.session_socket_path):
-                os.chown(path, -1, gid)
+                os.chown(path, -1, self._socket_gid)
         self.sessions.start()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="shmt-sweeper", daemon=True)
         self._sweeper.start()
-        if cfg.metrics_port is not None:
-            from .metrics import start_metrics_server
+        if cfg.metrics_port is not None or cfg.metrics_address is not None:
+            from .metrics import metrics_address, start_metrics_server
 
-            self._metrics_server = start_metrics_server(self, cfg.metrics_port)
+            address = metrics_address(cfg.metrics_port, cfg.metrics_address)
+            self._metrics_server = start_metrics_server(self, address)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting, let calls in flight finish (bounded), unlink everything. Idempotent."""
@@ -279,16 +424,14 @@ class Daemon:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         if self.sessions is not None:
-            self.sessions.stop()
-        if self.registry is not None:
-            self.registry.unlink_dedicated()
-        if self._segment is not None:
-            self._segment.unlink()
-        for path in (self.config.socket_path,):
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+                self.sessions.stop()
+            except Exception:  # e.g. never started (a failed start): the segments must still go
+                _log.exception("session server stop failed")
+        for tenant in self.tenants:
+            tenant.registry.unlink_dedicated()
+            tenant.segment.unlink()
+        self._claim.release()  # both sockets and the lock file; never another daemon's
 
     def __enter__(self) -> "Daemon":
         return self.start()
@@ -306,21 +449,44 @@ class Daemon:
 
     @property
     def segment_names(self) -> list[str]:
-        names = [self._segment.name] if self._segment is not None else []
-        return names + (self.registry.dedicated_names() if self.registry is not None else [])
+        """Every segment of this daemon: the tenants' arenas first (the default tenant's leading),
+        then their dedicated segments."""
+        names = [tenant.segment.name for tenant in self.tenants]
+        return names + [name for tenant in self.tenants for name in tenant.registry.dedicated_names()]
 
     def __repr__(self) -> str:
         return f"Daemon(instance={self.instance_id}, socket={self.config.socket_path!r}, {self._state})"
 
     # -- work ------------------------------------------------------------------------------------
-    def stat(self) -> pb.StatResponse:
-        response = self.registry.stat()
-        response.arena.CopyFrom(self.arena_info)
+    def stat(self, tenant: Tenant | None = None) -> pb.StatResponse:
+        """One tenant's state (default: the default tenant's)."""
+        tenant = tenant or self.tenants[0]
+        response = tenant.registry.stat()
+        response.arena.CopyFrom(self.arena_info_of(tenant))
         return response
 
     def _sweep_loop(self) -> None:
         while not self._stop_event.wait(_SWEEP_INTERVAL_S):
-            try:
-                self.registry.expire()
-            except Exception:  # keep sweeping: one bad entry must not stop TTL reclaim
-                _log.exception("TTL sweep failed")
+            for tenant in self.tenants:
+                try:
+                    tenant.registry.expire()
+                except Exception:  # keep sweeping: one bad entry must not stop TTL reclaim
+                    _log.exception("TTL sweep of tenant %s failed", tenant.key)
+
+
+def _dedicated_owner(uid: int | None, gid: int | None) -> tuple[int, int] | None:
+    """Who a tenant's dedicated segments are handed to, so its processes can open them by name;
+    None when this daemon cannot hand files to that tenant (only root can chown to another uid)."""
+    euid = os.geteuid()
+    if uid is not None:
+        if uid == euid:
+            return (-1, -1)
+        return (uid, -1) if euid == 0 else None
+    return (-1, gid) if euid == 0 or gid in os.getgroups() else None
+
+
+def _raise_fd_limit() -> None:
+    """Every session holds an fd: take the hard limit, so per-tenant session limits bind first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -130,7 +130,8 @@ class SessionServer:
     def stop(self) -> None:
         self._stopping = True
         os.write(self._wake_w, b"x")
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # a failed daemon start may never have started it
+            self._thread.join(timeout=5)
         for key in list(self._selector.get_map().values()):
             if isinstance(key.data, _Open):
                 self._drop(key.fileobj, key.data)
@@ -153,12 +154,15 @@ class SessionServer:
             for key, _ in self._selector.select(timeout=min(timeout, 1.0)):
                 if self._stopping:
                     break
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif isinstance(key.data, _Pending):
-                    self._read_handshake(key.fileobj, key.data)
-                elif isinstance(key.data, _Open):
-                    self._drop(key.fileobj, key.data)  # a session socket is readable: EOF or junk
+                try:
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif isinstance(key.data, _Pending):
+                        self._read_handshake(key.fileobj, key.data)
+                    elif isinstance(key.data, _Open):
+                        self._drop(key.fileobj, key.data)  # a session socket is readable: EOF or junk
+                except Exception:  # a bug of ours on one connection must not end every session's watch
+                    _log.exception("session event failed")
             self._expire_pending()
         # leaving the loop: stop() drops the remaining sessions
 
@@ -220,6 +224,10 @@ class SessionServer:
         except ShmTransportError as exc:
             _log.warning("refused session from pid %d uid %d: %s", pending.pid, pending.uid, exc)
             self._refuse(conn, exc.reason.value, exc.message)
+            return
+        except OSError as exc:  # e.g. EMFILE opening the arena fd: refuse this one, keep serving
+            _log.warning("refused session from pid %d uid %d: %s", pending.pid, pending.uid, exc)
+            self._refuse(conn, "resource_exhausted", f"the daemon cannot open a session now: {exc}")
             return
         self._open(conn, pending, admission)
 

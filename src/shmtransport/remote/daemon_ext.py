@@ -140,7 +140,8 @@ class RemoteExtension:
     def open_session(self, peer: str) -> tuple[str, str]:
         session_id = f"remote-{secrets.token_hex(6)}"
         token = secrets.token_hex(16)
-        self.daemon.registry.open_session(session_id, 0, os.getuid())  # pid 0: a remote peer
+        # pid 0: a remote peer. It copies the bytes out (no view), so its expired leases are reclaimed.
+        self.daemon.registry.open_session(session_id, 0, os.getuid(), quarantine_expired=False)
         with self._lock:
             self._tokens[token] = session_id
             self.sessions_total += 1
