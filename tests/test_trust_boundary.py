@@ -152,6 +152,10 @@ def _tenant_nobody(conn, socket_path: str, foreign: bytes, root_arena: str) -> N
             lease.verify()
             out["own_roundtrip"] = bool(np.array_equal(lease.array, np.arange(256, dtype=np.int32)))
         out["own_segment"] = mine.shm.name
+        dedicated = producer.put(np.arange(64, dtype=np.int64), dedicated=True)  # opened by name
+        with consumer.acquire(dedicated) as lease:
+            out["own_dedicated"] = bool(np.array_equal(lease.array, np.arange(64)))
+        producer.release(dedicated)
         try:
             consumer.acquire(Handle.from_bytes(foreign))
             out["foreign_acquire"] = "ACQUIRED"
@@ -190,12 +194,36 @@ def test_a_second_uid_is_its_own_tenant_and_cannot_read_acquire_or_see_the_other
             child.send("exit")
         assert out["own_roundtrip"], out
         assert out["own_segment"] != secret.shm.name and out["own_segment"] in daemon.segment_names
+        assert out["own_dedicated"], out
         assert out["foreign_acquire"] == "PermissionDenied/permission_denied", out
         assert out["foreign_arena_file"] == "EACCES", out
         assert out["fresh_loan_has_foreign_bytes"] is False, out
         assert out["stat"] == (f"uid:{NOBODY}", 2), out  # its own tenant's view only
         assert daemon.stat().live_leases == 0 and len(consumer.stat().clients) == 2
         producer.release(secret, wait=True)
+
+
+def _group_member(conn, socket_path: str) -> None:
+    _become_nobody()  # primary group 65534 (nogroup)
+    with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as producer, \
+            Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as consumer:
+        handles = [producer.put(np.arange(64, dtype=np.int64), dedicated=dedicated) for dedicated in (False, True)]
+        leases = consumer.acquire_many(handles)
+        ok = all(np.array_equal(lease.array, np.arange(64)) for lease in leases)
+        consumer.release_many(leases, wait=True)
+        producer.release(handles, wait=True)
+        conn.send((ok, consumer.stat().tenant))
+    conn.recv()
+
+
+@needs_root
+def test_an_allowed_group_is_one_tenant_for_its_members(make_daemon):
+    daemon = make_daemon(allowed_groups=("nogroup",))
+    _open_to_nobody(daemon)
+    with BlockingChild(_group_member, daemon.socket_path) as child:
+        assert child.recv() == (True, "group:nogroup")
+        child.send("exit")
+    assert [t.key for t in daemon.tenants] == ["uid:0", "group:nogroup"]
 
 
 # -- bounded resources --------------------------------------------------------------------------------
@@ -375,3 +403,106 @@ def test_a_loan_whose_caller_gave_up_while_the_daemon_was_busy_is_undone(daemon)
         s = wait_until(lambda: (s := daemon.stat()).allocations_total == 1 and s, timeout_s=5,
                        what="the daemon served the abandoned loan")
         assert s.live_objects == 0 and s.used_nbytes == 0
+
+
+# -- planted files ------------------------------------------------------------------------------------
+def _plant(conn, names: list[str], nbytes: int) -> None:
+    """As uid 65534: create files under ``names`` in /dev/shm (sticky, world-writable) on request."""
+    _become_nobody()
+    while (msg := conn.recv()) != "exit":
+        planted = []
+        for name in (msg if msg else names):
+            try:
+                fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                continue
+            os.write(fd, b"\xee" * nbytes)
+            os.close(fd)
+            planted.append(name)
+        conn.send(planted)
+
+
+@needs_root
+def test_planted_files_neither_block_dedicated_loans_nor_replace_a_segment_a_stock_reader_unlinked(daemon):
+    base = daemon.segment_names[0].rsplit("-", 1)[0]
+    guesses = [f"{base}-obj{gen}" for gen in range(1, 40)]  # the names a predictable scheme would use
+    with BlockingChild(_plant, guesses, 4096) as planter, \
+            Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        planter.send(None)
+        planted = planter.recv()
+        try:
+            handles = [producer.put(np.full(4096, i, np.uint8), dedicated=True) for i in range(8)]
+            # A stock reader (SMG, vLLM) unlinks a segment after reading; the other uid re-creates
+            # the name with its own bytes. Our reader checks the owner before mapping.
+            victim = handles[0].shm.name
+            os.unlink(f"/dev/shm/{victim}")
+            planter.send([victim])
+            planted += planter.recv()
+            with pytest.raises(PermissionDenied):
+                consumer.acquire(handles[0])
+            consumer.flush()
+            assert daemon.stat().live_leases == 0  # the refused mapping left no lease behind
+            with consumer.acquire(handles[1]) as lease:
+                assert (lease.array == 1).all()
+            producer.release(handles, wait=True)
+        finally:
+            planter.send("exit")
+            for name in planted:
+                os.unlink(f"/dev/shm/{name}")
+
+
+# -- fair service -------------------------------------------------------------------------------------
+def _flood_waiting_loans(conn, socket_path: str, threads: int) -> None:
+    """As uid 65534: fill its own arena, then keep ``threads`` Loans waiting for space."""
+    _become_nobody()
+    stop = threading.Event()
+    with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0, alloc_wait_s=0) as filler:
+        held = filler.put_many([np.zeros(MiB, np.uint8)] * 2)
+
+        def wait_for_space() -> None:
+            with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0, alloc_wait_s=5.0) as producer:
+                while not stop.is_set():
+                    try:
+                        producer.loan(MiB).release()
+                    except ResourceExhausted:
+                        pass
+
+        workers = [threading.Thread(target=wait_for_space) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        conn.send("flooding")
+        conn.recv()
+        stop.set()
+        for worker in workers:
+            worker.join(TIMEOUT_S)
+        filler.release(held, wait=True)
+    conn.send("stopped")
+    conn.recv()
+
+
+@needs_root
+def test_one_tenant_flooding_waiting_loans_does_not_take_the_wait_slots_of_another(make_daemon):
+    daemon = make_daemon(allowed_uids=(0, NOBODY), arena_nbytes=2 * MiB)
+    _open_to_nobody(daemon)
+    attacker = daemon.tenants[1]
+    with BlockingChild(_flood_waiting_loans, daemon.socket_path, 48) as child:
+        assert child.recv(timeout_s=60) == "flooding"
+        wait_until(lambda: attacker.wait_slots.qsize() == 0, timeout_s=10, what="attacker holds all its wait slots")
+        with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as hog, \
+                Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=5.0) as patient:
+            held = hog.put_many([np.zeros(MiB, np.uint8)] * 2)
+            waiting = threading.Thread(target=lambda: result.append(patient.put(np.ones(MiB, np.uint8))))
+            result: list = []
+            waiting.start()
+            share = daemon.config.grpc_workers // 2 // len(daemon.tenants)
+            wait_until(lambda: daemon.tenants[0].wait_slots.qsize() == share - 1, timeout_s=5,
+                       what="our loan waits for space in one of our own wait slots")
+            hog.release(held[:1], wait=True)
+            waiting.join(TIMEOUT_S)
+            assert len(result) == 1  # back-pressure worked for us while the other tenant flooded
+            patient.release(result, wait=True)
+            hog.release(held[1:], wait=True)
+        child.send("stop")
+        assert child.recv(timeout_s=30) == "stopped"
+        child.send("exit")
