@@ -32,6 +32,9 @@ def _samples(text: str) -> dict[str, float]:
     return samples
 
 
+TENANT = f'{{tenant="uid:{os.geteuid()}"}}'  # every metric is labelled with its tenant
+
+
 def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return _samples(response.read().decode())
@@ -73,25 +76,25 @@ def test_metrics_endpoint_reports_arena_objects_leases_and_reclaim_counters(make
         handle = producer.put(np.arange(4096, dtype=np.uint8))
         lease = consumer.acquire(handle)
         held = _scrape(port)
-        assert held["shmtransport_arena_nbytes"] == daemon.arena_info.nbytes
-        assert held["shmtransport_live_objects"] == 1
-        assert held["shmtransport_live_leases"] == 1
-        assert held["shmtransport_used_nbytes"] >= 4096
-        assert held["shmtransport_allocations_total"] >= 1
+        assert held["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
+        assert held["shmtransport_live_objects" + TENANT] == 1
+        assert held["shmtransport_live_leases" + TENANT] == 1
+        assert held["shmtransport_used_nbytes" + TENANT] >= 4096
+        assert held["shmtransport_allocations_total" + TENANT] >= 1
         assert any(name.startswith("shmtransport_client_leases{") and v == 1 for name, v in held.items())
         lease.release()
         producer.release(handle, wait=True)
         consumer.flush()
         done = _scrape(port)
-    assert done["shmtransport_live_objects"] == 0
-    assert done["shmtransport_live_leases"] == 0
-    assert done["shmtransport_used_nbytes"] == 0
+    assert done["shmtransport_live_objects" + TENANT] == 0
+    assert done["shmtransport_live_leases" + TENANT] == 0
+    assert done["shmtransport_used_nbytes" + TENANT] == 0
 
 
 def test_metrics_address_tcp_binds_that_address(make_daemon):
     port = _free_port()
     daemon = make_daemon(metrics_address=f"127.0.0.1:{port}")
-    assert _scrape(port)["shmtransport_arena_nbytes"] == daemon.arena_info.nbytes
+    assert _scrape(port)["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
 
 
 def test_metrics_over_a_unix_socket_are_owner_only_and_removed_at_stop(make_daemon, sock_dir):
@@ -103,10 +106,10 @@ def test_metrics_over_a_unix_socket_are_owner_only_and_removed_at_stop(make_daem
     with Producer(daemon.socket_path, timeout_s=10) as producer:
         handle = producer.put(np.arange(4096, dtype=np.uint8))
         held = _scrape_unix(path)
-        assert held["shmtransport_arena_nbytes"] == daemon.arena_info.nbytes
-        assert held["shmtransport_live_objects"] == 1
+        assert held["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
+        assert held["shmtransport_live_objects" + TENANT] == 1
         producer.release(handle, wait=True)
-    assert _scrape_unix(path)["shmtransport_live_objects"] == 0
+    assert _scrape_unix(path)["shmtransport_live_objects" + TENANT] == 0
     daemon.stop()
     assert not os.path.exists(path)
 
@@ -123,7 +126,7 @@ def test_metrics_unix_socket_refuses_a_live_one_and_replaces_a_stale_one(daemon,
     # Closed: a stale socket file nobody listens on, taken over.
     server = start_metrics_server(daemon, f"unix:{path}")
     try:
-        assert _scrape_unix(path)["shmtransport_arena_nbytes"] == daemon.arena_info.nbytes
+        assert _scrape_unix(path)["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
     finally:
         server.shutdown()
         server.server_close()

@@ -31,9 +31,13 @@ def _run_daemon(args: argparse.Namespace) -> int:
         arena_nbytes=args.arena_size,
         name_prefix=args.name_prefix,
         allowed_uids=tuple(args.allow_uid) if args.allow_uid else (os.getuid(),),
+        allowed_groups=tuple(args.allow_group or ()),
         socket_group=args.group,
         quota_nbytes=args.quota_bytes,
         quota_leases=args.quota_leases,
+        max_sessions_per_tenant=args.max_sessions,
+        max_hold_ms=args.max_hold_ms,
+        shm_reserve_nbytes=args.shm_reserve,
         default_lease_ttl_ms=args.lease_ttl_ms,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
@@ -61,7 +65,7 @@ def _run_stat(args: argparse.Namespace) -> int:
     with Consumer(args.socket, timeout_s=args.timeout_s) as client:
         s = client.stat()
     mib = 1 << 20
-    print(f"instance        {s.arena.instance_id}  segment {s.arena.segment_name}")
+    print(f"instance        {s.arena.instance_id}  segment {s.arena.segment_name}  tenant {s.tenant}")
     print(f"shm namespace   {s.arena.shm_namespace}")
     print(f"arena           {s.arena.nbytes / mib:.1f} MiB")
     print(f"used / free     {s.used_nbytes / mib:.1f} MiB / {s.free_nbytes / mib:.1f} MiB")
@@ -70,6 +74,10 @@ def _run_stat(args: argparse.Namespace) -> int:
     print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")
     print(f"reclaimed (TTL) {s.reclaimed_ttl_leases} leases, {s.reclaimed_ttl_nbytes} bytes")
     print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_nbytes} bytes")
+    print(f"quarantined     {s.quarantined_leases} expired leases of live clients, {s.quarantined_nbytes} bytes "
+          f"({s.quarantined_leases_total} ever)")
+    print(f"tenant quota    {s.quota_nbytes / mib:.1f} MiB ({s.dedicated_nbytes / mib:.1f} MiB in dedicated "
+          f"segments), {s.quota_leases} leases")
     for c in s.clients:
         print(
             f"  client pid {c.pid} uid {c.uid}: loaned {c.loaned_nbytes} B, committed {c.committed_nbytes} B, "
@@ -115,12 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--socket", default=default_socket_path(),
                    help="Unix socket path; its directory (created if missing) must be writable by this uid only "
                         "(default: $SHMTRANSPORT_SOCKET, else %(default)s)")
-    d.add_argument("--arena-size", type=_size, default=None, help="arena bytes (default: half of /dev/shm free)")
+    d.add_argument("--arena-size", type=_size, default=None,
+                   help="arena bytes per tenant (default: half of /dev/shm free, split between the tenants)")
     d.add_argument("--name-prefix", default="shmt", help="prefix of segment names (default: %(default)s)")
-    d.add_argument("--allow-uid", type=int, action="append", help="uid allowed to connect (repeatable)")
+    d.add_argument("--allow-uid", type=int, action="append",
+                   help="uid allowed to connect, each its own tenant (repeatable; default: the daemon's uid)")
+    d.add_argument("--allow-group", action="append", help="group whose members share one tenant (repeatable)")
     d.add_argument("--group", default=None, help="make the sockets 0660 for this group")
-    d.add_argument("--quota-bytes", type=_size, default=None, help="per-client bytes held (default: arena)")
-    d.add_argument("--quota-leases", type=int, default=100_000, help="per-client live leases")
+    d.add_argument("--quota-bytes", type=_size, default=None,
+                   help="per-tenant bytes held, arena and dedicated segments (default: the arena size)")
+    d.add_argument("--quota-leases", type=int, default=100_000, help="per-tenant live leases")
+    d.add_argument("--max-sessions", type=int, default=256, help="per-tenant client sessions")
+    d.add_argument("--max-hold-ms", type=int, default=60_000, help="longest hold a commit may ask for")
+    d.add_argument("--shm-reserve", type=_size, default=None,
+                   help="/dev/shm bytes dedicated segments never take (default: 5%% of /dev/shm, at least 64 MiB)")
     d.add_argument("--lease-ttl-ms", type=int, default=300_000, help="default lease TTL")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT")
     d.add_argument("--metrics-address", default=None, metavar="HOST:PORT|unix:PATH",

@@ -27,13 +27,18 @@ _GAUGES = {
     "free_extents": "Number of free extents (fragmentation)",
     "live_objects": "Live allocations",
     "live_leases": "Live consumer leases",
+    "quarantined_leases": "Leases past their TTL whose client lives: bytes kept, never reused under a view",
+    "quarantined_nbytes": "Bytes under quarantined leases",
+    "dedicated_nbytes": "Bytes in dedicated segments (outside the arena)",
+    "quota_nbytes": "Bytes the tenant may hold (arena and dedicated)",
     "allocations_per_s": "Allocations per second over the last 5 s",
 }
 _COUNTERS = {
     "allocations_total": "Allocations made",
     "allocation_failures": "Allocations refused (arena full or quota)",
-    "reclaimed_ttl_nbytes": "Bytes freed by lease/hold TTL expiry",
-    "reclaimed_ttl_leases": "Leases expired by TTL",
+    "reclaimed_ttl_nbytes": "Bytes freed by hold expiry and remote peers' lease TTL",
+    "reclaimed_ttl_leases": "Remote peers' leases expired by TTL",
+    "quarantined_leases_total": "Leases quarantined after outliving their TTL",
     "reclaimed_death_nbytes": "Bytes freed because their holder's session died",
     "reclaimed_death_leases": "Leases dropped because their holder's session died",
     "sessions_total": "Client sessions opened",
@@ -47,16 +52,22 @@ class _DaemonCollector:
         self._daemon = daemon
 
     def collect(self):
-        stat = self._daemon.stat()
-        yield GaugeMetricFamily("shmtransport_arena_nbytes", "Arena size in bytes", value=stat.arena.nbytes)
-        for field, doc in _GAUGES.items():
-            yield GaugeMetricFamily(f"shmtransport_{field}", doc, value=getattr(stat, field))
-        for field, doc in _COUNTERS.items():
-            name = f"shmtransport_{field.removesuffix('_total')}"
-            yield CounterMetricFamily(name, doc, value=getattr(stat, field))
-        per_client = GaugeMetricFamily("shmtransport_client_leases", "Live leases by client", labels=["pid"])
-        for client in stat.clients:
-            per_client.add_metric([str(client.pid)], client.leases)
+        """Every metric once per tenant, labelled with it."""
+        stats = [self._daemon.stat(tenant) for tenant in self._daemon.tenants]
+        arena = GaugeMetricFamily("shmtransport_arena_nbytes", "Arena size in bytes", labels=["tenant"])
+        gauges = {f: GaugeMetricFamily(f"shmtransport_{f}", doc, labels=["tenant"]) for f, doc in _GAUGES.items()}
+        counters = {f: CounterMetricFamily(f"shmtransport_{f.removesuffix('_total')}", doc, labels=["tenant"])
+                    for f, doc in _COUNTERS.items()}
+        per_client = GaugeMetricFamily("shmtransport_client_leases", "Live leases by client", labels=["tenant", "pid"])
+        for stat in stats:
+            arena.add_metric([stat.tenant], stat.arena.nbytes)
+            for field, family in (*gauges.items(), *counters.items()):
+                family.add_metric([stat.tenant], getattr(stat, field))
+            for client in stat.clients:
+                per_client.add_metric([stat.tenant, str(client.pid)], client.leases)
+        yield arena
+        yield from gauges.values()
+        yield from counters.values()
         yield per_client
 
 
