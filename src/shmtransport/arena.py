@@ -4,43 +4,100 @@ Clients map, read, write and close — never unlink (DESIGN §3 rule 1). A proce
 at most once per access mode and shares the mapping between its clients (reference counted), so a
 handle turns into a view with offset arithmetic alone. Mappings are pre-faulted (MAP_POPULATE) so
 the first copy into shared memory does not pay a page fault per 4 KiB.
+
+Nothing is mapped on a name's word alone: the arena comes as an fd the daemon passed over its
+socket, a dedicated segment is opened without following links, and either file must be a regular
+file of the expected owner that others cannot reach, at least as large as the caller expects.
+
+Read-only mappings keep their fd so that a lease can get private copy-on-write pages of its bytes
+(``private_view``): torch has no read-only tensors, and an in-place op on a tensor over a
+read-only shared mapping would kill the process with SIGSEGV.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
+import re
+import stat
 import threading
+import weakref
 
-from .errors import HandleError, Reason, ResourceExhausted, Unavailable
+from .errors import HandleError, PermissionDenied, Reason, ResourceExhausted, Unavailable
 
 SHM_DIR = "/dev/shm"
 POPULATE_MAX_NBYTES = 4 << 30  # larger arenas fault pages in on first touch instead
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def validate_segment_name(name: str) -> str:
+    """``name`` if it is a plain /dev/shm file name (no path, no ``.``/``..``); else HandleError."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise HandleError(f"segment name {name!r} is not a plain /dev/shm name", Reason.BAD_HANDLE)
+    return name
+
+
+def _check_segment_fd(
+    fd: int, name: str, nbytes: int, owner_uids: frozenset[int], forbidden_mode: int
+) -> os.stat_result:
+    """The file behind ``fd`` must be what a daemon creates: a regular file of one of
+    ``owner_uids``, without ``forbidden_mode`` permission bits, holding at least ``nbytes``."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise HandleError(f"segment {name!r} is not a regular file", Reason.BAD_HANDLE)
+    if st.st_uid not in owner_uids:
+        owners = " or ".join(map(str, sorted(owner_uids)))
+        raise PermissionDenied(f"segment {name!r} belongs to uid {st.st_uid}, expected uid {owners} (the daemon's)")
+    if st.st_mode & forbidden_mode:
+        raise PermissionDenied(
+            f"segment {name!r} has mode {stat.S_IMODE(st.st_mode):o}: others could read or change its bytes"
+        )
+    if nbytes <= 0 or st.st_size < nbytes:
+        raise HandleError(f"segment {name!r} holds {st.st_size} bytes, expected {nbytes}", Reason.OUT_OF_BOUNDS)
+    return st
+
+
+class _SharedMap(mmap.mmap):
+    """A MAP_SHARED mapping that keeps its segment's fd (read-only ones) for ``private_view``."""
+
+    fd: int | None = None
+
+    def close(self) -> None:
+        super().close()  # BufferError while a view is alive: the fd stays too
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        """Replaced per instance by a finalizer when an fd is kept (closed at close or collection)."""
 
 
 class ArenaMapping:
-    def __init__(self, name: str, nbytes: int, writable: bool):
+    def __init__(self, fd: int, name: str, nbytes: int, writable: bool, st: os.stat_result):
+        """Map ``nbytes`` of the checked segment file ``fd``; takes ownership of ``fd``."""
         self.name = name
         self.nbytes = nbytes
         self.writable = writable
+        self.file_id = (st.st_dev, st.st_ino)
         self._refs = 0
-        flags = os.O_RDWR if writable else os.O_RDONLY
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), flags | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise Unavailable(f"segment {name!r} does not exist (daemon gone?)", Reason.INSTANCE_MISMATCH) from exc
-        except OSError as exc:  # EMFILE/ENFILE and the like: typed, so the caller can back off
-            raise ResourceExhausted(f"cannot open segment {name!r}: {exc}", Reason.FD_LIMIT) from exc
-        try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise HandleError(f"segment {name!r} holds {size} bytes, expected {nbytes}", Reason.OUT_OF_BOUNDS)
             map_flags = mmap.MAP_SHARED
             if nbytes <= POPULATE_MAX_NBYTES:
                 map_flags |= getattr(mmap, "MAP_POPULATE", 0)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self._mmap = mmap.mmap(fd, nbytes, flags=map_flags, prot=prot)
-        finally:
+            self._mmap = _SharedMap(fd, nbytes, flags=map_flags, prot=prot)
+        except BaseException as exc:
             os.close(fd)
+            if isinstance(exc, PermissionError):  # e.g. a read-only fd mapped for writing
+                raise PermissionDenied(f"cannot map segment {name!r}: {exc}") from exc
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+                raise ResourceExhausted(f"cannot map segment {name!r}: {exc}", Reason.FD_LIMIT) from exc
+            raise
+        if writable:
+            os.close(fd)  # a producer writes the shared bytes themselves: no private windows
+        else:
+            self._mmap.fd = fd
+            self._mmap._close_fd = weakref.finalize(self._mmap, os.close, fd)
+            self._mmap._close_fd.atexit = False
 
     @property
     def closed(self) -> bool:
@@ -75,18 +132,37 @@ _lock = threading.Lock()
 _mappings: dict[tuple[str, bool], ArenaMapping] = {}
 
 
-def attach(name: str, nbytes: int, writable: bool) -> ArenaMapping:
-    """The process-wide mapping of ``name`` (created on first use); pair with ``detach``."""
-    with _lock:
-        for key, candidate in list(_mappings.items()):
-            if candidate._refs <= 0 and candidate.close():
-                del _mappings[key]
-        mapping = _mappings.get((name, writable))
-        if mapping is None or mapping.closed:
-            mapping = ArenaMapping(name, nbytes, writable)
-            _mappings[(name, writable)] = mapping
-        mapping._refs += 1
-        return mapping
+def _close_unused() -> None:
+    for key, candidate in list(_mappings.items()):
+        if candidate._refs <= 0 and candidate.close():
+            del _mappings[key]
+
+
+def attach_fd(fd: int, name: str, nbytes: int, writable: bool, owner_uid: int) -> ArenaMapping:
+    """The process-wide mapping of the arena segment ``name`` whose fd the daemon passed (created
+    on first use, else ``fd`` is closed and the existing mapping shared); pair with ``detach``.
+    Takes ownership of ``fd`` in every outcome."""
+    try:
+        validate_segment_name(name)
+        st = _check_segment_fd(fd, name, nbytes, frozenset((owner_uid,)), 0o077)
+        with _lock:
+            _close_unused()
+            mapping = _mappings.get((name, writable))
+            if mapping is not None and not mapping.closed:
+                if mapping.file_id != (st.st_dev, st.st_ino) or mapping.nbytes < nbytes:
+                    raise Unavailable(
+                        f"segment {name!r} is not the file this process mapped under that name",
+                        Reason.INSTANCE_MISMATCH,
+                    )
+            else:
+                owned, fd = fd, -1  # ArenaMapping owns it from here, and closes it if it fails
+                mapping = ArenaMapping(owned, name, nbytes, writable, st)
+                _mappings[(name, writable)] = mapping
+            mapping._refs += 1
+            return mapping
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def detach(mapping: ArenaMapping) -> None:
@@ -94,6 +170,69 @@ def detach(mapping: ArenaMapping) -> None:
     still holds a view, on a later attach/detach once the view is gone)."""
     with _lock:
         mapping._refs -= 1
-        for key, candidate in list(_mappings.items()):
-            if candidate._refs <= 0 and candidate.close():
-                del _mappings[key]
+        _close_unused()
+
+
+def map_dedicated(name: str, nbytes: int, writable: bool, owner_uids: frozenset[int]) -> memoryview:
+    """A view of the dedicated segment ``name`` (one object, offset 0) that keeps its own mapping
+    alive; the mapping goes once no view of it remains."""
+    validate_segment_name(name)
+    path = os.path.join(SHM_DIR, name)
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as exc:
+        raise HandleError(f"dedicated segment {name!r} does not exist (released, or unlinked by a reader)",
+                          Reason.STALE_HANDLE) from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionDenied(f"dedicated segment {name!r} is a symbolic link") from exc
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise PermissionDenied(f"cannot open dedicated segment {name!r}: {exc}") from exc
+        # EMFILE/ENFILE and the like: typed, so the caller can back off
+        raise ResourceExhausted(f"cannot open segment {name!r}: {exc}", Reason.FD_LIMIT) from exc
+    try:
+        st = _check_segment_fd(fd, name, nbytes, owner_uids, 0o007)
+    except BaseException:
+        os.close(fd)
+        raise
+    return ArenaMapping(fd, name, nbytes, writable, st).view(0, nbytes)
+
+
+# -- private copy-on-write windows ----------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+PRIVATE_COPY_MAX_NBYTES = 1 << 20  # below: a plain copy costs less than mapping and unmapping a window
+
+
+def private_view(shared: memoryview, offset: int) -> memoryview:
+    """Writable private bytes equal to ``shared``, a read-only view at ``offset`` of a segment
+    mapped here; nobody else sees what is written to them. Small views are copied; larger ones get
+    a copy-on-write window (MAP_PRIVATE): reads share the segment's pages, a write copies just the
+    page it touches. The window is unmapped once no view of it remains.
+
+    Only for committed (immutable) bytes, and only while a lease keeps them from being reused: a
+    page of a window not yet written shows whatever the segment holds."""
+    segment = shared.obj
+    if not isinstance(segment, _SharedMap) or segment.fd is None:
+        raise TypeError("private_view needs a view of a read-only segment mapping of this module")
+    if offset < 0 or offset + shared.nbytes > len(segment):
+        raise HandleError(f"range at {offset} outside the segment of {len(segment)} bytes", Reason.OUT_OF_BOUNDS)
+    if shared.nbytes < PRIVATE_COPY_MAX_NBYTES:
+        return memoryview(bytearray(shared))
+    start = offset - offset % mmap.PAGESIZE
+    length = offset - start + shared.nbytes
+    # Faulted in on first touch, never MAP_POPULATE: populating a writable private mapping would
+    # copy every page, and even populating it read-only first costs more than the faults do.
+    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, segment.fd, start)
+    if addr is None or addr == _MAP_FAILED:
+        raise ResourceExhausted(
+            f"cannot map a private window of {length} bytes: {os.strerror(ctypes.get_errno())}", Reason.FD_LIMIT
+        )
+    window = (ctypes.c_ubyte * length).from_address(addr)
+    weakref.finalize(window, _libc.munmap, addr, length).atexit = False  # views may outlive exit hooks
+    with memoryview(window) as whole:
+        return whole.cast("B")[offset - start : offset - start + shared.nbytes]

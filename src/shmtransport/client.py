@@ -2,7 +2,9 @@
 
 The frontend writes tensors straight into shared memory (``loan``) or copies once with the content
 digest fused into the copy (``put(..., hash=True)``); the worker gets zero-copy read-only numpy
-views and torch tensors. Batch forms make one RPC per request, not per tensor.
+views and torch tensors on private copy-on-write pages of the same bytes (an in-place op changes
+only this lease's pages, never the shared bytes). Batch forms make one RPC per request, not per
+tensor.
 
 Views never read freed memory silently: once a loan or lease is released, ``.array`` raises; and
 if the caller still holds a view from before, the client keeps the daemon's reference until that
@@ -15,6 +17,8 @@ import logging
 import os
 import resource
 import socket
+import stat
+import struct
 import threading
 import warnings
 import weakref
@@ -41,7 +45,7 @@ from .errors import (
     Unavailable,
     error_from_rpc,
 )
-from .tensors import as_byte_array, dtype_from_name, dtype_name, to_torch
+from .tensors import as_byte_array, dtype_from_name, dtype_name, tensor_nbytes, to_torch
 from .v1 import daemon_pb2 as pb
 from .v1 import daemon_pb2_grpc as pb_grpc
 
@@ -101,12 +105,20 @@ class Handle:
 
 
 class _Connection:
-    """Session handshake + gRPC channel to one daemon instance; reconnects after a restart."""
+    """Session handshake + gRPC channel to one daemon instance; reconnects after a restart.
 
-    def __init__(self, socket_path: str, timeout_s: float, writable: bool):
+    The daemon is authenticated before anything is sent to it: the process at the session socket
+    must run as the expected uid (``daemon_uid``, default this process's own; root is always
+    accepted), the gRPC socket must be a socket owned by that uid, and the arena comes as an fd
+    passed over the session socket, checked (a regular 0600 file of the daemon's) before mapping.
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float, writable: bool, daemon_uid: int | None = None):
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.writable = writable
+        self.expected_daemon_uid = os.geteuid() if daemon_uid is None else daemon_uid
+        self.daemon_uid = self.expected_daemon_uid  # the authenticated peer's, once connected
         self._lock = threading.Lock()
         self._session_sock: socket.socket | None = None
         self._channel: grpc.Channel | None = None
@@ -138,29 +150,73 @@ class _Connection:
         except OSError as exc:
             raise ResourceExhausted(f"cannot open a socket to shmtransportd: {exc}", Reason.FD_LIMIT) from exc
         sock.settimeout(self.timeout_s)
+        fds: list[int] = []
         try:
             sock.connect(self.socket_path + ".session")
-            line = sock.makefile("rb").readline(65536)
+            daemon_uid = self._authenticate(sock)
+            try:
+                sock.sendall(json.dumps({"access": "rw" if self.writable else "ro"}).encode() + b"\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused at accept: the reason is waiting to be read
+            line, fds = _read_hello(sock)
         except OSError as exc:
             sock.close()
             raise Unavailable(f"cannot reach shmtransportd at {self.socket_path}: {exc}") from exc
+        except ShmTransportError:
+            sock.close()
+            raise
         try:
             hello = json.loads(line)
         except ValueError:
             hello = {}
-        if "token" not in hello:
+        if "token" not in hello or len(fds) != 1:
             sock.close()
+            for fd in fds:
+                os.close(fd)
             if hello.get("error") == "permission_denied":
                 raise PermissionDenied(f"daemon refused this client: {hello.get('message')}")
-            raise Unavailable(f"bad session handshake from {self.socket_path}")
-        mapping = arena.attach(hello["segment_name"], hello["arena_nbytes"], self.writable)
+            if hello.get("error") in ("resource_exhausted", "quota_exceeded"):
+                raise ResourceExhausted(f"daemon refused this client: {hello.get('message')}", Reason.QUOTA_EXCEEDED)
+            raise Unavailable(f"bad session handshake from {self.socket_path}: {hello.get('message', line[:200])!r}")
+        try:
+            name = arena.validate_segment_name(str(hello["segment_name"]))
+        except BaseException:
+            os.close(fds[0])
+            sock.close()
+            raise
+        try:
+            mapping = arena.attach_fd(fds[0], name, int(hello["arena_nbytes"]), self.writable, daemon_uid)
+        except BaseException:  # attach_fd closed the fd
+            sock.close()
+            raise
         sock.setblocking(False)  # only ever peeked at by _session_alive from now on
+        self.daemon_uid = daemon_uid
         self.hello = hello
         self._session_sock = sock
         self._metadata = ((SESSION_METADATA_KEY, hello["token"]),)
         self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=GRPC_OPTIONS)
         self.stub = pb_grpc.DaemonStub(self._channel)
         self.mapping = mapping
+
+    def _authenticate(self, sock: socket.socket) -> int:
+        """The uid of the process serving the session socket, if it is the daemon we expect, and
+        its gRPC socket is that uid's socket; else PermissionDenied (nothing was sent yet)."""
+        _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if uid not in (self.expected_daemon_uid, 0):
+            raise PermissionDenied(
+                f"the process serving {self.socket_path}.session runs as uid {uid}, not as the daemon's uid "
+                f"{self.expected_daemon_uid}: refusing to talk to it (is another user squatting the socket?)"
+            )
+        try:
+            st = os.lstat(self.socket_path)
+        except OSError as exc:
+            raise Unavailable(f"cannot reach shmtransportd at {self.socket_path}: {exc}") from exc
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != uid:
+            raise PermissionDenied(
+                f"{self.socket_path} is not a socket of the daemon's uid {uid} (owner {st.st_uid}, "
+                f"mode {stat.filemode(st.st_mode)}): refusing to send it anything"
+            )
+        return uid
 
     def call(self, method: str, request):
         """One unary RPC with the session token and timeout; typed errors; reconnect next time."""
@@ -211,7 +267,7 @@ class _View:
         self.handle = handle
         self._memory = memory
         self._array: np.ndarray | None = None
-        self._array_ref: weakref.ref | None = None
+        self._roots: list[weakref.ref] = []  # of every buffer this view cut typed arrays from
         self._released = False
         self._sealed = False  # a committed loan hands out no more (writable) views
 
@@ -222,24 +278,31 @@ class _View:
     @property
     def array(self) -> np.ndarray:
         """Zero-copy numpy view with the tensor's dtype and shape."""
-        if self._released:
-            raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
-        if self._sealed:
-            raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
         if self._array is None:
-            root = np.frombuffer(self._memory, dtype=np.uint8)
-            # numpy points every view derived from ``root`` (slices, reshapes, torch.from_numpy)
-            # at ``root`` itself, so its weakref says whether any view of these bytes is alive.
-            self._array_ref = weakref.ref(root)
-            self._array = root.view(dtype_from_name(self.handle.dtype)).reshape(self.handle.shape)
+            self._check_viewable()
+            self._array = self._typed(self._memory)
         return self._array
 
     def tensor(self):
         """Zero-copy torch tensor over the same bytes (bfloat16 included)."""
         return to_torch(self.array, self.handle.dtype)
 
+    def _check_viewable(self) -> None:
+        if self._released:
+            raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
+        if self._sealed:
+            raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
+
+    def _typed(self, memory: memoryview) -> np.ndarray:
+        """The handle's dtype and shape over ``memory``, tracked by ``_views_alive``."""
+        root = np.frombuffer(memory, dtype=np.uint8)
+        # numpy points every view derived from ``root`` (slices, reshapes, torch.from_numpy)
+        # at ``root`` itself, so its weakref says whether any view of these bytes is alive.
+        self._roots.append(weakref.ref(root))
+        return root.view(dtype_from_name(self.handle.dtype)).reshape(self.handle.shape)
+
     def _views_alive(self) -> bool:
-        return self._array_ref is not None and self._array_ref() is not None
+        return any(ref() is not None for ref in self._roots)
 
     def _detach_views(self) -> None:
         self._released = True
@@ -293,6 +356,25 @@ class Lease(_View):
     def __init__(self, client: "_Client", handle: Handle, memory: memoryview, lease_id: int):
         super().__init__(client, handle, memory)
         self.lease_id = lease_id
+        self._private: np.ndarray | None = None
+
+    def tensor(self):
+        """Torch tensor of the leased bytes on private pages of this lease (``arena.private_view``).
+
+        From 1 MiB on, reads copy nothing (the pages are the shared ones until written) and an
+        in-place op (``div_``, ``add_``, ...) copies just the pages it writes; smaller tensors are
+        copied once, which costs less than mapping. Either way this lease's tensors see the change;
+        ``array``, other leases and other processes do not. Torch has no read-only tensors: over
+        the read-only shared mapping an in-place op would die of SIGSEGV. Like ``array``, a live
+        tensor keeps the lease after ``release`` (its pages must not meet a new object)."""
+        if self._private is None:
+            self._check_viewable()
+            self._private = self._typed(arena.private_view(self._memory, self.handle.shm.offset))
+        return to_torch(self._private, self.handle.dtype)
+
+    def _detach_views(self) -> None:
+        super()._detach_views()
+        self._private = None
 
     def verify(self) -> None:
         """Recompute the content digest from shared memory; IdentityMismatch when it differs."""
@@ -322,8 +404,11 @@ class _Client:
     _writable = False
     MAX_QUEUED_RELEASES = 256
 
-    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0, release_delay_s: float = 0.02):
-        self._conn = _Connection(socket_path or default_socket_path(), timeout_s, self._writable)
+    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0, release_delay_s: float = 0.02,
+                 *, daemon_uid: int | None = None):
+        """``daemon_uid``: the uid the daemon must run as (default: this process's own; root is
+        always accepted). A process at the socket running as anyone else is refused."""
+        self._conn = _Connection(socket_path or default_socket_path(), timeout_s, self._writable, daemon_uid)
         self._release_delay_s = release_delay_s
         self._lock = threading.RLock()
         self._flush_lock = threading.Lock()  # one flush at a time: flush() returns when all landed
@@ -395,13 +480,29 @@ class _Client:
             self._timer = None
         return pb.ReleaseRequest(handles=handles, lease_ids=leases)
 
+    def _map_granted(self, shms: Sequence[pb.Handle], lease_ids: Sequence[int]) -> list[memoryview]:
+        """The memory of every loan (no ``lease_ids``) or lease the daemon just granted; when one
+        cannot be mapped, all of them are given back (queued) before the error propagates."""
+        try:
+            return [self._memory(shm) for shm in shms]
+        except BaseException:
+            with self._lock:
+                if lease_ids:
+                    self._queued_leases.extend(lease_ids)
+                else:
+                    self._queued_handles.extend(shms)
+                self._schedule_flush()
+            raise
+
     def _memory(self, shm: pb.Handle) -> memoryview:
+        arena.validate_segment_name(shm.name)  # a handle names a file in /dev/shm, never a path
         mapping = self._conn.mapping
         if mapping is not None and shm.name != mapping.name and shm.offset == 0 \
                 and shm.name.startswith(mapping.name.rsplit("-", 1)[0] + "-obj"):
             # A dedicated segment of this daemon (LoanRequest.dedicated): mapped on its own; the
             # returned view keeps the mapping alive and it is unmapped once no view remains.
-            return arena.ArenaMapping(shm.name, shm.nbytes, self._writable).view(0, shm.nbytes)
+            owners = frozenset((self._conn.daemon_uid, os.geteuid()))  # the daemon or our tenant
+            return arena.map_dedicated(shm.name, shm.nbytes, self._writable, owners)
         if mapping is None or shm.name != mapping.name:
             raise Unavailable(f"handle of segment {shm.name!r} is not this daemon's arena", Reason.INSTANCE_MISMATCH)
         return mapping.view(shm.offset, shm.nbytes)
@@ -508,6 +609,8 @@ class Producer(_Client):
         release_delay_s: float = 0.02,
         alloc_wait_s: float = 1.0,
         copy_threads: int | None = None,
+        *,
+        daemon_uid: int | None = None,
     ):
         """``alloc_wait_s``: how long a loan waits for space when the arena is full (back-pressure)
         before ResourceExhausted; 0 fails at once. ``copy_threads``: threads that ``put`` copies
@@ -515,7 +618,7 @@ class Producer(_Client):
         self._pending_commits: list[grpc.Future] = []
         self.alloc_wait_s = alloc_wait_s
         self.copy_threads = copy_threads
-        super().__init__(socket_path, timeout_s, release_delay_s)
+        super().__init__(socket_path, timeout_s, release_delay_s, daemon_uid=daemon_uid)
 
     def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
              dedicated: bool = False) -> Loan:
@@ -534,9 +637,11 @@ class Producer(_Client):
             dedicated=dedicated,
         )
         response = self._call("Loan", request)
+        memories = self._map_granted(response.handles, [])
         return [
-            Loan(self, Handle(shm, dt, shape), self._memory(shm)[:nbytes], token)
-            for shm, token, (dt, shape, nbytes) in zip(response.handles, response.commit_tokens, typed)
+            Loan(self, Handle(shm, dt, shape), memory[:nbytes], token)
+            for shm, memory, token, (dt, shape, nbytes) in zip(
+                response.handles, memories, response.commit_tokens, typed)
         ]
 
     def commit_many(
@@ -679,9 +784,10 @@ class Consumer(_Client):
         if any(h.commit_token for h in handles):
             request.commit_tokens.extend(h.commit_token for h in handles)
         response = self._call("Acquire", request)
+        memories = self._map_granted([h.shm for h in handles], response.lease_ids)
         return [
-            Lease(self, h, self._memory(h.shm)[:nbytes], lease_id)
-            for h, nbytes, lease_id in zip(handles, sizes, response.lease_ids)
+            Lease(self, h, memory[:nbytes], lease_id)
+            for h, memory, nbytes, lease_id in zip(handles, memories, sizes, response.lease_ids)
         ]
 
     def release_many(self, leases: Sequence[Lease], wait: bool = False) -> None:
@@ -694,6 +800,21 @@ class Consumer(_Client):
             self._release_views(live)
         if wait:
             self.flush()
+
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def _read_hello(sock: socket.socket, limit: int = 65536) -> tuple[bytes, list[int]]:
+    """The daemon's one-line answer and the fds passed with it (the arena's, on success)."""
+    data, fds = b"", []
+    while b"\n" not in data:
+        chunk, new_fds, _flags, _addr = socket.recv_fds(sock, 4096, 2)
+        fds.extend(new_fds)
+        if not chunk or len(data) + len(chunk) > limit:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0], fds
 
 
 def _check_fd_headroom(needed: int = 16) -> None:
@@ -718,20 +839,20 @@ def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> t
     if shape is None:
         if nbytes is None or dtype is not None:
             raise InvalidArgument("loan needs nbytes, or shape and dtype")
-        return "uint8", (int(nbytes),), int(nbytes)
+        return "uint8", (int(nbytes),), tensor_nbytes((int(nbytes),), "uint8")
     name = dtype_name(dtype if dtype is not None else np.uint8)
     shape = tuple(int(d) for d in shape)
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"shape must not be negative: {shape}")
-    size = int(np.prod(shape, dtype=np.int64)) * dtype_from_name(name).itemsize
+    size = tensor_nbytes(shape, name)
     if nbytes is not None and nbytes != size:
         raise InvalidArgument(f"nbytes={nbytes} does not match shape {shape} of {name} ({size} bytes)")
     return name, shape, size
 
 
 def _check_manifest(h: Handle) -> int:
-    """The tensor's byte size; the handle must match it (a zero-size tensor occupies 1 byte)."""
-    expected = int(np.prod(h.shape, dtype=np.int64)) * dtype_from_name(h.dtype).itemsize
+    """The tensor's byte size; the handle must match it (a zero-size tensor occupies 1 byte).
+    Checked before the Acquire, so a forged handle costs the daemon no lease."""
+    arena.validate_segment_name(h.shm.name)
+    expected = tensor_nbytes(h.shape, h.dtype)
     if expected != h.nbytes and not (expected == 0 and h.nbytes == 1):
         raise InvalidArgument(f"handle nbytes {h.nbytes} != {h.dtype}{list(h.shape)} ({expected} bytes)")
     return expected

@@ -5,7 +5,8 @@ reinterpreted (never converted) on the torch side.
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -29,6 +30,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 DTYPE_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
 MAX_RANK = 32
+MAX_NBYTES = 2**63 - 1  # int64: what the wire, numpy and torch can count
 
 
 def dtype_from_name(name: str) -> np.dtype:
@@ -36,6 +38,20 @@ def dtype_from_name(name: str) -> np.dtype:
         return DTYPES[name]
     except KeyError:
         raise InvalidArgument(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def tensor_nbytes(shape: Sequence[int], name: str) -> int:
+    """Bytes of a ``name`` tensor of ``shape``, counted exactly (Python ints, never a wrapping
+    int64): a forged shape must not pass for a plausible size. Refuses negative dims, a rank above
+    MAX_RANK, and shapes whose elements or bytes (zero dims aside, as numpy counts) exceed int64."""
+    itemsize = dtype_from_name(name).itemsize
+    if len(shape) > MAX_RANK:
+        raise InvalidArgument(f"rank {len(shape)} exceeds {MAX_RANK}")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"shape must not be negative: {tuple(shape)}")
+    if math.prod(d for d in shape if d) * itemsize > MAX_NBYTES:
+        raise InvalidArgument(f"shape {tuple(shape)} of {name} exceeds {MAX_NBYTES} bytes")
+    return math.prod(shape) * itemsize
 
 
 def _is_torch(obj: Any) -> bool:
@@ -90,12 +106,15 @@ def as_byte_array(tensor: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
 
 
 def to_torch(array: np.ndarray, name: str):
-    """Zero-copy torch tensor over a numpy array holding ``name``-typed bytes."""
+    """Zero-copy torch tensor over a numpy array holding ``name``-typed bytes.
+
+    Torch has no read-only tensors: over a read-only mapping an in-place op dies of SIGSEGV, so a
+    lease's tensors come from ``Lease.tensor`` (private copy-on-write pages), not from here."""
     import warnings
 
     import torch
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: the lease owns writability
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: the caller owns writability
         tensor = torch.from_numpy(array)
     return tensor.view(torch.bfloat16) if name == "bfloat16" else tensor

@@ -7,7 +7,8 @@ differently:
 
 - stock servicer: per tensor ``pread`` of a file (copy 1) into a ``bytearray`` (copy 2), floats cast
   to the model dtype (copy 3), and the file unlinked: one file per tensor.
-- here: one Acquire for the whole request; each tensor is a read-only view of the arena (no copy);
+- here: one Acquire for the whole request; each tensor is a zero-copy view of the arena on private
+  copy-on-write pages (an in-place op in vLLM or a model stays in this process, never SIGSEGV);
   the item's identity is recomputed from those bytes and checked before the engine sees it; tensors
   keep their dtype (vLLM's model casts on the device; raw uint8 pixels are never cast anyway).
 

@@ -4,7 +4,8 @@
 one Acquire, recomputes each item's identity from the leased bytes with the frontend's code
 (``identity.tensor_digest`` + ``combine``; ``grpc_mm_identity`` for grpc-mm items) and rejects a
 mismatch (IdentityMismatch) or a routing marker that does not match the payload, all before it
-returns anything to execute. Kwargs tensors are zero-copy torch views of the leases.
+returns anything to execute. Kwargs tensors are zero-copy torch views of the leases, on private
+copy-on-write pages (``Lease.tensor``): an in-place op in model code stays local to this worker.
 
 The leases are released by ``EngineInputs.consumed()`` (or leaving its ``with`` block) once the
 engine has consumed the tensors, and on every error path of ``open_request``.
@@ -120,7 +121,10 @@ def _mask_tensor(p: PlaceholderRange):
 
 def open_request(consumer: Consumer | None, request: fpb.MultimodalRequest, *, verify: str = "always",
                  mode: str = "aggregated", unified_vision: bool = False, prompt_len: int | None = None,
-                 limits: Limits = DEFAULT_LIMITS, ttl_ms: int = 0) -> EngineInputs:
+                 limits: Limits = DEFAULT_LIMITS, ttl_ms: int = 0, copy_on_write: bool = True) -> EngineInputs:
+    """``copy_on_write=False``: shm kwargs tensors over the read-only shared mapping itself (no
+    page-table setup, and a pinned arena stays pinned) — only for a caller that copies them to a
+    device before any other code sees them: an in-place op on such a tensor dies of SIGSEGV."""
     if verify not in VERIFY:
         raise InvalidArgument(f"verify must be one of {VERIFY}, got {verify!r}")
     if mode not in MODES:
@@ -135,7 +139,7 @@ def open_request(consumer: Consumer | None, request: fpb.MultimodalRequest, *, v
     out = EngineInputs(consumer, leases)
     try:
         _fill(out, checked, {(m, i, k): lease for (m, i, k, _), lease in zip(shm, leases)}, verify, mode,
-              unified_vision)
+              unified_vision, copy_on_write)
     except BaseException:
         out.consumed()
         raise
@@ -143,18 +147,18 @@ def open_request(consumer: Consumer | None, request: fpb.MultimodalRequest, *, v
 
 
 def _fill(out: EngineInputs, checked: CheckedRequest, lease_of: dict, verify: str, mode: str,
-          unified_vision: bool) -> None:
+          unified_vision: bool, copy_on_write: bool) -> None:
     for batch in checked.batches:
         for it in batch.items:
             arrays: dict[str, np.ndarray] = {}
             try:
-                _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision)
+                _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision, copy_on_write)
             finally:
                 arrays.clear()  # a traceback must not keep lease views alive (it would defer release)
     out.multi_modal_uuids = {m: u for m, u in out.multi_modal_uuids.items() if any(x is not None for x in u)}
 
 
-def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision) -> None:
+def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision, copy_on_write) -> None:
     modality = batch.modality
     where = f"{modality}[{it.index}]"
     for key, t in it.tensors.items():
@@ -180,8 +184,9 @@ def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision) -
             raise IdentityMismatch(f"{where}: payload identity {identity} != mm_hash {it.mm_hash}")
     if it.routing_marker is not None and identity:
         routing.check_marker_matches(it.routing_marker, identity, where)
-    out.mm_kwargs.setdefault(modality, []).append({k: to_torch(a, it.tensors[k].dtype)
-                                                  for k, a in arrays.items()})
+    out.mm_kwargs.setdefault(modality, []).append({
+        k: lease_of[(modality, it.index, k)].tensor() if copy_on_write and it.tensors[k].kind == "shm"
+        else to_torch(a, it.tensors[k].dtype) for k, a in arrays.items()})
     out.mm_fields.setdefault(modality, []).append(dict(it.fields))
     out.mm_hashes.setdefault(modality, []).append(it.mm_hash or identity)
     out.mm_identifiers.setdefault(modality, []).append(it.cache_identifier)

@@ -159,8 +159,10 @@ class GeneratorService(ServerInfoServicer):
                     raise InvalidArgument("segment-pread ingest is disabled on this worker")
                 items = self._open_segments(mm, len(prompt))
             else:
+                # Off the CPU the host tensors are only copied to the device (by DMA from the pinned
+                # arena): no code gets to write them in place, so they need no private pages.
                 inputs = open_request(self.consumer, mm, verify=self.verify, prompt_len=len(prompt),
-                                      limits=self.limits)
+                                      limits=self.limits, copy_on_write=self.device == "cpu")
                 if self.host_register:
                     self._register_arena()
                 if hold_ms:
