@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py csrc/build_native.py $(wildcard csrc/*.c csrc/
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "torch==2.13.0+cpu"
-	$(PIP) install -q -e ".[dev,torch,nixl,renderer,upstream]"
+	$(PIP) install -q -e ".[dev,torch,nixl,renderer,upstream,peers]"
 	$(PIP) install -q --no-deps "ai-dynamo==1.6.1" "ai-dynamo-runtime==1.6.1"
 	$(PY) tools/venv_fixups.py
 	$(PY) -c "import shmtransport; assert shmtransport.BACKEND == 'c', shmtransport.BACKEND"

@@ -2,6 +2,7 @@
 it can fail, and the harness leaves no processes, file descriptors or /dev/shm segments behind."""
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 import pathlib
@@ -14,16 +15,28 @@ import pytest
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from peers import BASELINE_PEERS, OURS_PEERS, _ours
+from peers import ALTERNATIVE_PEERS, BASELINE_PEERS, OURS_PEERS, _ours
 from peers.common import PeerError, Session, digest_of, seeded_payload
+from peers.ray_put import _alive, _tree
+
+from shmtransport.testing import run_in_child
 
 NBYTES = 64 << 10
-# stbench_: segment_pread, dynamo_segment; psm_: multiprocessing.shared_memory (both peers); torch_
-OUR_PREFIXES = ("stbench_", "psm_", "torch_")
+# stbench_: segment_pread, dynamo_segment; psm_: multiprocessing.shared_memory (both peers); torch_;
+# iox2_: iceoryx2, less the one machine-wide .global_mgmt file it creates once and keeps by design
+OUR_PREFIXES = ("stbench_", "psm_", "torch_", "iox2_")
 
 
 def _our_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith(OUR_PREFIXES)}
+    return {name for name in os.listdir("/dev/shm")
+            if name.startswith(OUR_PREFIXES) and not name.endswith(".global_mgmt")}
+
+
+def _needs(peer: str) -> None:
+    """Found, not imported: importing ray here would load it into the test process for good."""
+    package = ALTERNATIVE_PEERS[peer]
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{peer}: {package} is not installed (the peers extra)")
 
 
 def _open_fds() -> dict[int, str]:
@@ -66,9 +79,13 @@ def daemon_socket(daemon_process):
 
 
 def _check_flags(session: Session) -> list[bool]:
+    return [ok for _, ok in _check_rounds(session)]
+
+
+def _check_rounds(session: Session) -> list[tuple[float, bool]]:
     payload = seeded_payload(NBYTES, seed=7)
     session.prepare(NBYTES, digest_of(payload))
-    return [session.iteration(payload, corrupt)[1] for corrupt in (None, "sender", "receiver", None)]
+    return [session.iteration(payload, corrupt) for corrupt in (None, "sender", "receiver", None)]
 
 
 @pytest.mark.timeout(60)
@@ -83,6 +100,44 @@ def test_baseline_peer_flag_is_true_when_clean_and_false_when_a_byte_is_flipped(
 def test_shmtransport_peer_flag_is_true_when_clean_and_false_when_a_byte_is_flipped(peer, daemon_socket):
     with Session(peer, socket_path=daemon_socket) as session:
         assert _check_flags(session) == [True, False, False, True]
+
+
+@pytest.mark.timeout(30)
+def test_iceoryx2_peer_flag_is_true_when_clean_and_false_when_a_byte_is_flipped():
+    _needs("iceoryx2_loan")
+    with Session("iceoryx2_loan", max_nbytes=NBYTES) as session:
+        rounds = _check_rounds(session)
+        usage = session.usage.take(NBYTES)
+    assert [ok for _, ok in rounds] == [True, False, False, True]
+    assert all(seconds > 0 for seconds, _ in rounds)
+    assert set(usage["cpu_s_per_gb"]) == {"producer", "consumer"}
+
+
+def _ray_rounds() -> dict:
+    """In a child: Ray's driver keeps event-loop fds and log files open after ``ray.shutdown``, which
+    the fd check would count against this process."""
+    with Session("ray_put", max_nbytes=NBYTES) as session:
+        rounds = _check_rounds(session)
+        usage = session.usage.take(NBYTES)
+        cluster = sorted(_tree(session.producer.roots))
+        pids = dict(session.producer.pids)
+    return {"rounds": rounds, "roles": sorted(usage["cpu_s_per_gb"]), "pids": pids, "cluster": cluster,
+            "alive": [p for p in cluster if _alive(p)]}
+
+
+@pytest.mark.timeout(60)
+def test_ray_peer_flag_is_true_when_clean_and_false_when_a_byte_is_flipped_and_its_cluster_stops():
+    _needs("ray_put")
+    token = pathlib.Path.home() / ".ray" / "auth_token"
+    had_token = token.exists()
+    got = run_in_child(_ray_rounds, timeout_s=50)
+    assert [ok for _, ok in got["rounds"]] == [True, False, False, True]
+    assert all(seconds > 0 for seconds, _ in got["rounds"])
+    assert got["roles"] == ["consumer", "daemon", "producer"]  # the actor and the raylet are counted
+    assert got["pids"]["consumer"] in got["cluster"] and got["pids"]["daemon"] in got["cluster"]
+    assert got["alive"] == []
+    assert not [p for p in got["cluster"] if _alive(p)]
+    assert token.exists() == had_token  # the per-run token lives in the environment
 
 
 @pytest.mark.timeout(60)

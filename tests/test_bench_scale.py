@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from shmtransport.daemon.allocator import Allocator
 
 KiB, MiB = 1 << 10, 1 << 20
 needs_daemon = pytest.mark.skipif(_ours.import_error() is not None, reason="shmtransport daemon not importable")
+HAS_ICEORYX2 = importlib.util.find_spec("iceoryx2") is not None  # the peers extra
 
 
 @pytest.fixture
@@ -161,10 +163,10 @@ def test_kernels_vs_size_rows_are_correct():
 def test_latency_vs_size_rows_are_correct_and_give_a_crossover_verdict(workdir):
     report = Report("scale")
     sizes = {4 * KiB: (2, 1), 256 * KiB: (2, 1)}
-    scale.latency_vs_size(report, sizes, workdir, peers=("memcpy", "grpc_inline", "shm_put_hash", "shm_loan"))
+    peers = ("memcpy", "grpc_inline", "shm_put_hash", "shm_loan") + (("iceoryx2_loan",) if HAS_ICEORYX2 else ())
+    scale.latency_vs_size(report, sizes, workdir, peers=peers)
     rows = _rows(report, "latency_vs_size")
-    assert {(r["name"], r["params"]["nbytes"]) for r in rows} == {
-        (p, n) for p in ("memcpy", "grpc_inline", "shm_put_hash", "shm_loan") for n in sizes}
+    assert {(r["name"], r["params"]["nbytes"]) for r in rows} == {(p, n) for p in peers for n in sizes}
     assert all(r["correct"] and r["n"] == 2 for r in rows)
     assert "inline_crossover" in report.curves or any("inline_crossover" in n for n in report.notes)
     assert not [n for n in report.notes if n.startswith("ERROR")]
@@ -172,11 +174,12 @@ def test_latency_vs_size_rows_are_correct_and_give_a_crossover_verdict(workdir):
 
 @needs_daemon
 @pytest.mark.timeout(90)
-def test_throughput_vs_pairs_has_an_shm_and_an_inline_row(workdir):
+def test_throughput_vs_pairs_has_a_row_per_transport(workdir):
     report = Report("scale")
     scale.throughput_vs_pairs(report, (1,), 0.3, workdir, shape={"tensors": 2, "nbytes": 16 * KiB})
     rows = {r["name"]: r for r in _rows(report, "throughput_vs_pairs")}
-    assert set(rows) == {"lifecycles_shm", "lifecycles_grpc_inline"}, report.notes
+    expected = {"lifecycles_shm", "lifecycles_grpc_inline"} | ({"lifecycles_iceoryx2"} if HAS_ICEORYX2 else set())
+    assert set(rows) == expected, report.notes
     for row in rows.values():
         assert row["correct"] is True
         assert row["lifecycles_per_s"] > 0 and row["gbps"] > 0

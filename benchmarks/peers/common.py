@@ -143,6 +143,11 @@ class ProducerBase:
     def connect(self) -> None:
         """After the consumer said ready (e.g. open a gRPC channel)."""
 
+    def peer_pids(self) -> dict[str, int]:
+        """After ``connect``: processes the peer started itself (a Ray actor, its raylet) whose CPU and
+        RSS count in the span, by role (``consumer``, ``daemon``)."""
+        return {}
+
     def setup(self, nbytes: int) -> None:
         """Untimed, once per size."""
 
@@ -361,6 +366,9 @@ class Session:
                 _, self.consumer_pid = wait_reply(parent, START_TIMEOUT_S, f"{self.peer_name} consumer")
                 self.producer.chan = Channel(parent, f"{self.peer_name} consumer")
             self.producer.connect()
+            own = self.producer.peer_pids()
+            self.consumer_pid = own.get("consumer", self.consumer_pid)
+            self.daemon_pid = own.get("daemon", self.daemon_pid)
         except BaseException:
             self.close()
             raise

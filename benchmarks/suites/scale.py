@@ -11,7 +11,8 @@ what the receiver actually got):
   where gRPC with the bytes inline stops being faster than ``put`` (hash on) + handle handoff.
 * ``throughput_vs_pairs``: request lifecycles (4 x 256 KiB, put -> acquire -> digest check ->
   release) with 1..16 concurrent producer/consumer process pairs on one daemon, and the same
-  request shape sent inline over gRPC by as many producer processes to their own servers.
+  request shape sent inline over gRPC by as many producer processes to their own servers, and over
+  iceoryx2 (one loaned sample per request) by as many publisher/subscriber pairs.
 * ``alloc_vs_occupancy``: the daemon's allocator driven in-process on a fixed arena: mixed sizes
   (log-uniform 4 KiB-16 MiB, seeded), random alloc/free churn holding the occupancy at each level,
   then a stream of mixed-size probe allocations (each freed at once). Plus the full daemon path
@@ -40,7 +41,7 @@ import traceback
 import numpy as np
 import xxhash
 from harness import Report
-from peers import _ours
+from peers import ALTERNATIVE_PEERS, _ours, import_error
 from peers.common import Session, digest_of, rss_kib, verify
 from rounds import GiB, KiB, MiB, add_size_row, close_sessions, measure_size, size_label
 
@@ -51,7 +52,8 @@ FULL_SIZES = {4 * KiB: (60, 6), 16 * KiB: (60, 6), 64 * KiB: (50, 5), 256 * KiB:
               4 * MiB: (20, 2), 16 * MiB: (12, 2), 64 * MiB: (6, 1), 256 * MiB: (4, 1), 1 * GiB: (2, 1)}
 QUICK_SIZES = {4 * KiB: (20, 3), 64 * KiB: (15, 2), 1 * MiB: (12, 2), 4 * MiB: (8, 1), 16 * MiB: (6, 1),
                256 * MiB: (2, 1)}
-SIZE_PEERS = ("memcpy", "bare_rtt", "grpc_inline", "mp_shared_memory", "segment_pread", "shm_put_hash", "shm_loan")
+SIZE_PEERS = ("memcpy", "bare_rtt", "grpc_inline", "mp_shared_memory", "segment_pread", "shm_put_hash", "shm_loan",
+              *ALTERNATIVE_PEERS)
 OURS = ("shm_put_hash", "shm_loan")
 # (b)
 FULL_PAIRS, QUICK_PAIRS = (1, 2, 4, 8, 16), (1, 4)
@@ -87,9 +89,9 @@ def process_cpu_s(pid: int) -> float:
 
 
 def _our_segments() -> set[str]:
-    prefixes = ("stbench_", "psm_", "shmt")
+    prefixes = ("stbench_", "psm_", "shmt", "iox2_")  # iceoryx2 keeps its one .global_mgmt file by design
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes)}
+        return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes) and not n.endswith(".global_mgmt")}
     except OSError:
         return set()
 
@@ -104,7 +106,7 @@ def _section(report: Report, what: str, fn, *args) -> None:
 
 
 def run(quick: bool) -> Report:
-    report = Report("scale", extra_versions=("grpcio", "xxhash", "matplotlib"))
+    report = Report("scale", extra_versions=("grpcio", "xxhash", "matplotlib", *ALTERNATIVE_PEERS.values()))
     started = time.perf_counter()
     shm_before = _our_segments()
     workdir = tempfile.mkdtemp(prefix="stb-scale-")
@@ -130,7 +132,9 @@ def run(quick: bool) -> Report:
 
 # -- (a) latency vs payload size -------------------------------------------------------------------
 
-def _session_options(name: str, daemon) -> dict:
+def _session_options(name: str, daemon, max_nbytes: int) -> dict:
+    if name in ALTERNATIVE_PEERS:
+        return {"max_nbytes": max_nbytes}
     if name not in OURS:
         return {}
     return {"socket_path": daemon.socket_path, "daemon_pid": daemon.pid}
@@ -150,9 +154,14 @@ def latency_vs_size(report: Report, sizes: dict[int, tuple[int, int]], workdir: 
             else:
                 # two objects of the largest size may be live at once (a release is piggybacked)
                 daemon = _ours.DaemonProcess(os.path.join(workdir, "size.sock"), 2 * max(sizes)).start()
+        for name in [p for p in wanted if p in ALTERNATIVE_PEERS]:
+            why_not = import_error(name)
+            if why_not is not None:
+                report.notes.append(f"SKIPPED {name}: {why_not}; install the peers extra")
+                wanted.remove(name)
         for name in wanted:
             try:
-                sessions[name] = Session(name, **_session_options(name, daemon)).start()
+                sessions[name] = Session(name, **_session_options(name, daemon, max(sizes))).start()
             except Exception:  # noqa: BLE001
                 report.notes.append(f"ERROR {name} did not start; no rows:\n" + traceback.format_exc(limit=6))
         for nbytes, (rounds, warmup) in sizes.items():
@@ -237,6 +246,9 @@ def throughput_vs_pairs(report: Report, pairs_list: tuple[int, ...], duration_s:
     shape = shape or LIFECYCLE_SHAPE
     request_nbytes = shape["tensors"] * shape["nbytes"]
     why_not = _ours.import_error()
+    iceoryx2_line = import_error("iceoryx2_loan")
+    if iceoryx2_line is not None:
+        report.notes.append(f"SKIPPED iceoryx2 lifecycles vs pairs: {iceoryx2_line}; install the peers extra")
     daemon = None
     try:
         if why_not is None:
@@ -252,6 +264,11 @@ def throughput_vs_pairs(report: Report, pairs_list: tuple[int, ...], duration_s:
             if grpc_line:
                 runs.append(("lifecycles_grpc_inline", lambda p=pairs: run_grpc_inline_lifecycles(
                     workdir, pairs=p, duration_s=duration_s, **shape)))
+            if iceoryx2_line is None:
+                from peers._iceoryx2 import run_iceoryx2_lifecycles
+
+                runs.append(("lifecycles_iceoryx2", lambda p=pairs: run_iceoryx2_lifecycles(
+                    pairs=p, duration_s=duration_s, **shape)))
             for name, fn in runs:
                 try:
                     cpu0 = process_cpu_s(daemon.pid) if name == "lifecycles_shm" else None
@@ -268,14 +285,17 @@ def throughput_vs_pairs(report: Report, pairs_list: tuple[int, ...], duration_s:
     finally:
         if daemon is not None:
             daemon.stop()
-    for name in ("lifecycles_shm", "lifecycles_grpc_inline"):
+    for name in ("lifecycles_shm", "lifecycles_grpc_inline", "lifecycles_iceoryx2"):
         xs, ys = _series(report, "throughput_vs_pairs", name, "pairs", "lifecycles_per_s")
         if xs:
             report.add_curve(f"throughput_vs_pairs.{name}", "pairs", "lifecycles_per_s", xs, ys, "pairs",
                              what="throughput")
     report.notes.append(f"throughput_vs_pairs: each pair = a producer and a consumer process; request = "
                         f"{shape['tensors']} x {size_label(shape['nbytes'])}; {duration_s:g} s per point; "
-                        f"{os.cpu_count()} cores")
+                        f"{os.cpu_count()} cores; lifecycles_iceoryx2 = one loaned sample per request (the "
+                        f"arrays copied in), the consumer's digest check, the sample dropped, an ack event; no "
+                        f"ray_put line (N drivers against one Ray cluster would measure its scheduler, not a "
+                        f"handoff)")
 
 
 # -- (c) allocation latency and failure rate vs occupancy ------------------------------------------

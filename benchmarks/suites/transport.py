@@ -6,7 +6,8 @@ One timed iteration = the producer starts the handoff -> the consumer has the by
 the consumer acks -> the producer has the ack. Outside the span the consumer hashes what it got
 (xxh3_64 of the whole payload vs the digest sent at setup); a row's ``correct`` is the AND of those
 flags. Peers alternate in rounds after warm-up (the first peer rotates each round); every peer's
-consumer is its own ``spawn``ed process, and shmtransport's daemon a third one. Details of each peer
+consumer is its own ``spawn``ed process (``ray_put``'s is a Ray actor, a worker process its raylet
+starts), and shmtransport's daemon a third one. Details of each peer
 are in ``benchmarks/peers/<peer>.py``; the harness is ``benchmarks/peers/common.py``.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import traceback
 
 from harness import Report
-from peers import BASELINE_PEERS, OURS_PEERS, _ours
+from peers import ALTERNATIVE_PEERS, BASELINE_PEERS, OURS_PEERS, _ours, import_error
 from peers.common import Session, digest_of, rss_kib, seeded_payload
 from rounds import add_size_row, close_sessions, measure_size, size_label
 
@@ -33,8 +34,10 @@ BIG = 64 * MiB
 
 
 def _our_segments() -> set[str]:
-    prefixes = ("stbench_", "psm_", "torch_")  # segment_pread, multiprocessing.shared_memory, torch
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes)}
+    # segment_pread, multiprocessing.shared_memory, torch, iceoryx2 (less its one machine-wide
+    # management file, which iceoryx2 creates once and keeps by design)
+    prefixes = ("stbench_", "psm_", "torch_", "iox2_")
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes) and not n.endswith(".global_mgmt")}
 
 
 def _mb(kib: int | None) -> float | None:
@@ -42,7 +45,7 @@ def _mb(kib: int | None) -> float | None:
 
 
 def run(quick: bool) -> Report:
-    report = Report("transport", extra_versions=("grpcio", "torch", "xxhash"))
+    report = Report("transport", extra_versions=("grpcio", "torch", "xxhash", *ALTERNATIVE_PEERS.values()))
     plan = QUICK_PLAN if quick else FULL_PLAN
     workdir = tempfile.mkdtemp(prefix="stb-transport-")
     sessions: dict[str, Session] = {}
@@ -65,8 +68,16 @@ def run(quick: bool) -> Report:
         else:
             report.notes.append(f"SKIPPED {', '.join(OURS_PEERS)}, lifecycles: shmtransport client/daemon "
                                 f"not importable ({why_not}); their ratios are omitted")
+        for name in ALTERNATIVE_PEERS:
+            why_not = import_error(name)
+            if why_not is None:
+                peers.append(name)
+            else:
+                report.notes.append(f"SKIPPED {name}: {why_not}; install the peers extra")
         for name in peers:
             options = {"socket_path": daemon.socket_path, "daemon_pid": daemon.pid} if name in OURS_PEERS else {}
+            if name in ALTERNATIVE_PEERS:
+                options = {"max_nbytes": max(plan)}
             try:
                 sessions[name] = Session(name, **options).start()
             except Exception:  # noqa: BLE001
@@ -171,6 +182,9 @@ def _ratios(report: Report, plan) -> None:
                  "torch_mp_queue", "pickle5_oob"):  # no targets: every peer against the default put path
         put(f"{peer}_speedup_{tag}", div(med(peer, BIG), ours))
     put(f"put_verify_over_put_{tag}", div(med("shm_put_verify", BIG), ours))  # the worker's verification
+    for n in plan:  # the alternatives against our path of the same shape: in-place write / one copy in
+        put(f"iceoryx2_loan_speedup_{size_label(n)}", div(med("iceoryx2_loan", n), med("shm_loan", n)))
+        put(f"ray_put_speedup_{size_label(n)}", div(med("ray_put", n), med("shm_put", n)))
     put(f"loan_verify_over_loan_{tag}", div(med("shm_loan_verify", BIG), med("shm_loan", BIG)))
     rates = {row["name"]: row for row in report.rows if row["name"] in ("lifecycles", "bare_rpc_rate")}
     if len(rates) == 2:
