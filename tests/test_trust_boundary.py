@@ -26,7 +26,7 @@ from shmtransport.errors import (
     ShmTransportError,
     Unavailable,
 )
-from shmtransport.testing import BlockingChild, run_in_child, short_tmpdir, remove_tree, wait_until
+from shmtransport.testing import BlockingChild, remove_tree, short_tmpdir, wait_until
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.v1 import daemon_pb2_grpc as pb_grpc
 

@@ -59,12 +59,12 @@ class _DaemonCollector:
         counters = {f: CounterMetricFamily(f"shmtransport_{f.removesuffix('_total')}", doc, labels=["tenant"])
                     for f, doc in _COUNTERS.items()}
         per_client = GaugeMetricFamily("shmtransport_client_leases", "Live leases by client", labels=["tenant", "pid"])
-        for stat in stats:
-            arena.add_metric([stat.tenant], stat.arena.nbytes)
+        for tenant_stat in stats:
+            arena.add_metric([tenant_stat.tenant], tenant_stat.arena.nbytes)
             for field, family in (*gauges.items(), *counters.items()):
-                family.add_metric([stat.tenant], getattr(stat, field))
-            for client in stat.clients:
-                per_client.add_metric([stat.tenant, str(client.pid)], client.leases)
+                family.add_metric([tenant_stat.tenant], getattr(tenant_stat, field))
+            for client in tenant_stat.clients:
+                per_client.add_metric([tenant_stat.tenant, str(client.pid)], client.leases)
         yield arena
         yield from gauges.values()
         yield from counters.values()
