@@ -370,9 +370,10 @@ def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(daemon)
         del l1, l2
 
 
-def test_an_expired_lease_of_a_live_client_is_quarantined_never_reused_until_released(daemon):
+def test_an_expired_lease_of_a_live_client_is_quarantined_never_reused_until_released(make_daemon):
     """A lease past its TTL may still back a view: its bytes stay (reported), not reused under it."""
-    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
+    daemon = make_daemon(arena_nbytes=256 * KiB)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
         data = np.arange(4096, dtype=np.uint8)
