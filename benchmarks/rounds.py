@@ -82,5 +82,9 @@ def close_sessions(report, sessions: dict, daemon=None) -> None:
             session.close()
         except Exception:  # noqa: BLE001
             report.notes.append(f"ERROR closing {session.peer_name}:\n" + traceback.format_exc(limit=4))
+    if "iceoryx2_loan" in sessions:  # its processes are gone now: so may its management file be
+        from peers._iceoryx2 import remove_management_file
+
+        remove_management_file()
     if daemon is not None:
         daemon.stop()

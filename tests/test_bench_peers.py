@@ -22,14 +22,13 @@ from peers.ray_put import _alive, _tree
 from shmtransport.testing import run_in_child
 
 NBYTES = 64 << 10
-# stbench_: segment_pread, dynamo_segment; psm_: multiprocessing.shared_memory (both peers); torch_;
-# iox2_: iceoryx2, less the one machine-wide .global_mgmt file it creates once and keeps by design
-OUR_PREFIXES = ("stbench_", "psm_", "torch_", "iox2_")
+# stbench_: segment_pread, dynamo_segment, iceoryx2; psm_: multiprocessing.shared_memory (both
+# peers); torch_
+OUR_PREFIXES = ("stbench_", "psm_", "torch_")
 
 
 def _our_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm")
-            if name.startswith(OUR_PREFIXES) and not name.endswith(".global_mgmt")}
+    return {name for name in os.listdir("/dev/shm") if name.startswith(OUR_PREFIXES)}
 
 
 def _needs(peer: str) -> None:
@@ -108,6 +107,9 @@ def test_iceoryx2_peer_flag_is_true_when_clean_and_false_when_a_byte_is_flipped(
     with Session("iceoryx2_loan", max_nbytes=NBYTES) as session:
         rounds = _check_rounds(session)
         usage = session.usage.take(NBYTES)
+    from peers._iceoryx2 import remove_management_file
+
+    remove_management_file()  # both processes are gone: nothing of iceoryx2's may stay in /dev/shm
     assert [ok for _, ok in rounds] == [True, False, False, True]
     assert all(seconds > 0 for seconds, _ in rounds)
     assert set(usage["cpu_s_per_gb"]) == {"producer", "consumer"}

@@ -47,11 +47,29 @@ def service_name(peer: str) -> str:
     return f"stbench/{peer}/{os.getpid()}/{secrets.token_hex(4)}"
 
 
+# Every /dev/shm file iceoryx2 makes for the harness carries the harness's prefix, so a leak check
+# sees them; iceoryx2 keeps one management file per prefix after its last node is gone, which
+# ``remove_management_file`` takes away once every process of a run has exited.
+PREFIX = "stbench_iox2_"
+
+
 def node():
     iceoryx2 = iox2()
+    config = iceoryx2.config.default()
+    config.global_cfg.prefix = iceoryx2.FileName.new(PREFIX)
     # Disabled: the default installs SIGINT/SIGTERM handlers, which would take Ctrl-C from the harness.
-    return (iceoryx2.NodeBuilder.new().signal_handling_mode(iceoryx2.SignalHandlingMode.Disabled)
+    return (iceoryx2.NodeBuilder.new().config(config).signal_handling_mode(iceoryx2.SignalHandlingMode.Disabled)
             .create(iceoryx2.ServiceType.Ipc))
+
+
+def remove_management_file() -> None:
+    """Unlink the harness's iceoryx2 management file(s); call only when no node of ours lives."""
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(PREFIX) and name.endswith(".global_mgmt"):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
 
 
 def duration(seconds: float):
@@ -194,8 +212,11 @@ def run_iceoryx2_lifecycles(pairs: int, tensors: int, nbytes: int, duration_s: f
     from .lifecycle import _run_pairs
 
     token = service_name("lifecycle")
-    results, _, _ = _run_pairs(_producer_main, _consumer_main, lambda i: (f"{token}/{i}",),
-                               pairs, tensors, nbytes, duration_s, None)
+    try:
+        results, _, _ = _run_pairs(_producer_main, _consumer_main, lambda i: (f"{token}/{i}",),
+                                   pairs, tensors, nbytes, duration_s, None)
+    finally:
+        remove_management_file()
     samples = [s for r in results for s in r[1]]
     return {
         "lifecycles_per_s": len(samples) / max(r[3] for r in results),

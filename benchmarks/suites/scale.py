@@ -89,9 +89,9 @@ def process_cpu_s(pid: int) -> float:
 
 
 def _our_segments() -> set[str]:
-    prefixes = ("stbench_", "psm_", "shmt", "iox2_")  # iceoryx2 keeps its one .global_mgmt file by design
+    prefixes = ("stbench_", "psm_", "shmt")  # iceoryx2's files carry stbench_ too
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes) and not n.endswith(".global_mgmt")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes)}
     except OSError:
         return set()
 

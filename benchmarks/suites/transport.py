@@ -34,10 +34,9 @@ BIG = 64 * MiB
 
 
 def _our_segments() -> set[str]:
-    # segment_pread, multiprocessing.shared_memory, torch, iceoryx2 (less its one machine-wide
-    # management file, which iceoryx2 creates once and keeps by design)
-    prefixes = ("stbench_", "psm_", "torch_", "iox2_")
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes) and not n.endswith(".global_mgmt")}
+    # segment_pread and iceoryx2 (stbench_), multiprocessing.shared_memory, torch
+    prefixes = ("stbench_", "psm_", "torch_")
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefixes)}
 
 
 def _mb(kib: int | None) -> float | None:
