@@ -1,8 +1,9 @@
 /*
  * shmt_kernels.h -- C kernels of shmtransport: XXH3-128 hashing (one-shot, streaming, fused
- * copy+hash, chunked "tree" mode) and packed is_embed bit-mask kernels.
+ * copy+hash, chunked "tree" mode), packed is_embed bit-mask kernels, and the object-table
+ * atomics (per-object lifetime in shared memory).
  *
- * Rules (DESIGN.md section 8): every kernel validates the sizes it is given and never reads or
+ * Rules: every kernel validates the sizes it is given and never reads or
  * writes outside the buffers it is handed; no allocation, no threads, no syscalls in kernels.
  * Threads, buffer allocation and the XXH3 streaming state belong to the Python wrapper
  * (src/shmtransport/_native.py). The pure-Python module src/shmtransport/_purepy.py is the
@@ -93,5 +94,68 @@ int32_t shmt_mask_cumsum(const uint8_t *packed, uint64_t packed_nbytes, uint64_t
 /* out[0] = #set in [0, start), out[1] = #set in [0, end); requires start <= end <= nbits. */
 int32_t shmt_mask_window(const uint8_t *packed, uint64_t packed_nbytes, uint64_t nbits,
                          uint64_t start, uint64_t end, int64_t *out, uint64_t out_len);
+
+/*
+ * Object table: the lifetime of every arena object lives in one 64-byte slot of a shared control
+ * segment, so loan, commit, acquire and release touch only shared memory (docs/objects.md has the
+ * invariants and the crash-window analysis). `holders` is the one word every party changes, and
+ * only with atomic read-modify-writes:
+ *   bits 0..61  one per session of the tenant (the daemon hands each live session one bit);
+ *   bit 62      held by the daemon on behalf of clients without a bit (RPC path, remote tier);
+ *   bit 63      the hand-off hold: set at commit, dropped by the first acquire (or when the
+ *               hand-off window passes, by the daemon), so a committed object outlives its
+ *               producer until a consumer takes it.
+ * holders == 0 is terminal for a generation: nobody may add a bit to it, so the owner of the
+ * slot (or the daemon, for a dead owner) can reuse the slot and its bytes.
+ * Status codes of the slot kernels are >= 0: SHMT_SLOT_OK or one of the refusals below.
+ */
+#define SHMT_SLOT_NBYTES 64
+#define SHMT_SESSION_BITS 62
+#define SHMT_HOLDER_PROXY 62
+#define SHMT_HOLDER_HANDOFF 63
+#define SHMT_SLOT_LOANED 1
+#define SHMT_SLOT_COMMITTED 2
+#define SHMT_SLOT_HELD 3 /* committed with a hold: the first acquire keeps the hand-off bit */
+
+#define SHMT_SLOT_OK 0
+#define SHMT_SLOT_STALE 1         /* freed, reused, or never this generation */
+#define SHMT_SLOT_NOT_COMMITTED 2 /* still a loan */
+#define SHMT_SLOT_MISMATCH 3      /* offset or size differ from the slot's */
+#define SHMT_SLOT_ALREADY 4       /* this holder already holds it / it is not free */
+#define SHMT_SLOT_NOT_HELD 5      /* released by a holder that does not hold it */
+#define SHMT_SLOT_UNKNOWN 6       /* a generation this slot never had: a forged or corrupt handle */
+
+typedef struct {
+    uint64_t holders;     /* atomic; see above */
+    uint64_t generation;  /* of the object now in the slot; grows by one per reuse, never reset */
+    uint64_t offset;      /* arena byte offset */
+    uint64_t nbytes;
+    uint64_t state;       /* SHMT_SLOT_LOANED / _COMMITTED / _HELD */
+    uint64_t deadline_ns; /* CLOCK_MONOTONIC end of the hand-off window (or of the hold) */
+    uint64_t owner;       /* session bit of the producer that loaned it */
+    uint64_t reserved;
+} shmt_slot;
+
+/* Put a new object in a free slot (holders == 0): generation = old + 1, held by `bit`. */
+int32_t shmt_slot_publish(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t offset,
+                          uint64_t nbytes, uint32_t bit, uint64_t *generation);
+/* Seal a loan held by `bit`: state = COMMITTED (HELD when `hold`), hand-off bit set. */
+int32_t shmt_slot_commit(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+                         uint32_t bit, uint64_t deadline_ns, int32_t hold);
+/* Add `bit` to a live committed object of this generation, offset and size; then drop the
+ * hand-off bit unless the object is HELD. */
+int32_t shmt_slot_acquire(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+                          uint64_t offset, uint64_t nbytes, uint32_t bit);
+/* Drop `bit` (and the hand-off bit too when `cancel_handoff`); *remaining = holders after. */
+int32_t shmt_slot_release(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+                          uint32_t bit, int32_t cancel_handoff, uint64_t *remaining);
+/* Daemon: drop the hand-off bit of an object whose window ended before now_ns; *freed = 1 when
+ * that left nobody holding it. */
+int32_t shmt_slot_expire(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t now_ns,
+                         int32_t *freed);
+/* Daemon, for a session that ended: drop `bit` from slots [first, last); out[0] = slots it held,
+ * out[1] = objects that left alive with nobody, out[2] = their bytes. */
+int32_t shmt_slots_clear_bit(uint8_t *table, uint64_t nslots, uint64_t first, uint64_t last,
+                             uint32_t bit, uint64_t *out, uint64_t out_len);
 
 #endif /* SHMT_KERNELS_H */

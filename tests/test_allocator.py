@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from shmtransport.daemon.allocator import CACHE_LINE, PAGE, Allocator
+from shmtransport.allocator import CACHE_LINE, PAGE, Allocator
 from shmtransport.errors import InvalidArgument, Reason, ResourceExhausted
 
 KiB = 1024

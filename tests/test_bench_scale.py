@@ -20,7 +20,7 @@ from harness import Report, fit_growth
 from peers import _ours
 from suites import scale
 
-from shmtransport.daemon.allocator import Allocator
+from shmtransport.allocator import Allocator
 
 KiB, MiB = 1 << 10, 1 << 20
 needs_daemon = pytest.mark.skipif(_ours.import_error() is not None, reason="shmtransport daemon not importable")

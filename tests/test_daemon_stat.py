@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from shmtransport.daemon.allocator import Allocator
+from shmtransport.allocator import Allocator
 from shmtransport.daemon.registry import Limits, ObjState, Registry
 from shmtransport.daemon.segments import new_instance_id
 from shmtransport.errors import ShmTransportError

@@ -362,7 +362,7 @@ class _Extents:
 def alloc_vs_occupancy(report: Report, occupancies=OCCUPANCIES, probes: int = 3000, churn: int = 2000,
                        arena_nbytes: int = ALLOC_ARENA, seed: int = SEED, allocator_factory=None,
                        daemon_point: bool = True) -> None:
-    from shmtransport.daemon.allocator import Allocator
+    from shmtransport.allocator import Allocator
     from shmtransport.errors import ResourceExhausted
 
     make = allocator_factory or Allocator

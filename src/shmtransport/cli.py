@@ -37,6 +37,8 @@ def _run_daemon(args: argparse.Namespace) -> int:
         quota_leases=args.quota_leases,
         max_sessions_per_tenant=args.max_sessions,
         max_hold_ms=args.max_hold_ms,
+        object_slots=args.object_slots,
+        handoff_window_ms=args.handoff_window_ms,
         shm_reserve_nbytes=args.shm_reserve,
         default_lease_ttl_ms=args.lease_ttl_ms,
         metrics_port=args.metrics_port,
@@ -135,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quota-leases", type=int, default=100_000, help="per-tenant live leases")
     d.add_argument("--max-sessions", type=int, default=256, help="per-tenant client sessions")
     d.add_argument("--max-hold-ms", type=int, default=60_000, help="longest hold a commit may ask for")
+    d.add_argument("--object-slots", type=int, default=None,
+                   help="slots of each tenant's object table (default: one per 4 KiB of arena, 1024-65536; "
+                        "0: no table, every object goes through the daemon)")
+    d.add_argument("--handoff-window-ms", type=int, default=30_000,
+                   help="how long a committed object nobody acquired outlives its producer")
     d.add_argument("--shm-reserve", type=_size, default=None,
                    help="/dev/shm bytes dedicated segments never take (default: 5%% of /dev/shm, at least 64 MiB)")
     d.add_argument("--lease-ttl-ms", type=int, default=300_000, help="default lease TTL")

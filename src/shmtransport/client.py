@@ -20,6 +20,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Iterable, Sequence
@@ -27,13 +28,14 @@ from typing import Any, Iterable, Sequence
 import grpc
 import numpy as np
 
-from . import arena
+from . import arena, objtable
 from ._backend import kernels
 from .daemon.config import default_socket_path
 from .daemon.registry import MAX_BATCH
 from .daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
 from .errors import (
     ClosedError,
+    HandleError,
     IdentityMismatch,
     InvalidArgument,
     OwnershipError,
@@ -45,6 +47,7 @@ from .errors import (
     Unavailable,
     error_from_rpc,
 )
+from .table_client import Placed, TableClient
 from .tensors import as_byte_array, dtype_from_name, dtype_name, tensor_nbytes, to_torch
 from .v1 import daemon_pb2 as pb
 from .v1 import daemon_pb2_grpc as pb_grpc
@@ -64,7 +67,7 @@ class Handle:
         self.dtype = dtype
         self.shape = tuple(int(d) for d in shape)
         self.digest = digest
-        self.commit_token = commit_token  # set when committed by handoff (see Producer.commit_many)
+        self.commit_token = commit_token  # a producer that lets the first Acquire commit sets it
 
     @property
     def nbytes(self) -> int:
@@ -124,8 +127,14 @@ class _Connection:
         self._channel: grpc.Channel | None = None
         self.stub: pb_grpc.DaemonStub | None = None
         self.mapping: arena.ArenaMapping | None = None
+        # The tenant's object table, when the daemon keeps one and this process can change it
+        # (the C kernels); ``holder_bit`` is this session's bit in it.
+        self.table: objtable.ObjectTable | None = None
+        self.holder_bit: int | None = None
+        self._table_mapping: arena.ArenaMapping | None = None
         self.hello: dict[str, Any] = {}
         self._metadata: tuple = ()
+        self._checked_at = 0.0
 
     def ensure(self) -> None:
         with self._lock:
@@ -133,6 +142,17 @@ class _Connection:
                 self._drop()  # the daemon died: its session socket hit EOF
             if self.stub is None:
                 self._connect()
+            self._checked_at = time.monotonic()
+
+    # How long calls in shared memory alone (the object table) trust the last liveness check: a
+    # daemon that died since is noticed this much later, and at the next RPC in any case.
+    LIVENESS_CHECK_S = 0.05
+
+    def ensure_recent(self) -> None:
+        """``ensure`` for calls without a round trip: the liveness check (a syscall) at most
+        every LIVENESS_CHECK_S."""
+        if self.stub is None or time.monotonic() - self._checked_at > self.LIVENESS_CHECK_S:
+            self.ensure()
 
     def _session_alive(self) -> bool:
         """The daemon never writes after the handshake, so readable means EOF: it is gone."""
@@ -169,7 +189,7 @@ class _Connection:
             hello = json.loads(line)
         except ValueError:
             hello = {}
-        if "token" not in hello or len(fds) != 1:
+        if "token" not in hello or len(fds) not in (1, 2):
             sock.close()
             for fd in fds:
                 os.close(fd)
@@ -187,6 +207,14 @@ class _Connection:
         try:
             mapping = arena.attach_fd(fds[0], name, int(hello["arena_nbytes"]), self.writable, daemon_uid)
         except BaseException:  # attach_fd closed the fd
+            for fd in fds[1:]:
+                os.close(fd)
+            sock.close()
+            raise
+        try:
+            self._attach_table(hello, fds[1] if len(fds) == 2 else None, daemon_uid)
+        except BaseException:
+            arena.detach(mapping)
             sock.close()
             raise
         sock.setblocking(False)  # only ever peeked at by _session_alive from now on
@@ -197,6 +225,30 @@ class _Connection:
         self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=GRPC_OPTIONS)
         self.stub = pb_grpc.DaemonStub(self._channel)
         self.mapping = mapping
+
+    def _attach_table(self, hello: dict, fd: int | None, daemon_uid: int) -> None:
+        """Map the object table the daemon passed, when this session got a holder bit and this
+        process has the C kernels; otherwise the fd is closed and objects go through the daemon."""
+        info = hello.get("object_table")
+        if fd is None:
+            return
+        if not info or hello.get("holder_bit") is None or not objtable.available():
+            os.close(fd)
+            return
+        try:
+            name = arena.validate_segment_name(str(info["segment_name"]))
+            nslots = int(info["nslots"])
+        except BaseException:
+            os.close(fd)
+            raise
+        mapping = arena.attach_fd(fd, name, objtable.table_nbytes(nslots), True, daemon_uid)
+        try:
+            self.table = objtable.ObjectTable(mapping.view(0, objtable.table_nbytes(nslots)), nslots)
+        except BaseException:
+            arena.detach(mapping)
+            raise
+        self._table_mapping = mapping
+        self.holder_bit = int(hello["holder_bit"])
 
     def _authenticate(self, sock: socket.socket) -> int:
         """The uid of the process serving the session socket, if it is the daemon we expect, and
@@ -256,7 +308,11 @@ class _Connection:
             self._session_sock.close()
         if self.mapping is not None:
             arena.detach(self.mapping)
+        if self.table is not None:
+            self.table.close()
+            arena.detach(self._table_mapping)
         self._channel = self.stub = self._session_sock = self.mapping = None
+        self.table = self._table_mapping = self.holder_bit = None
 
 
 class _View:
@@ -333,9 +389,11 @@ class _View:
 class Loan(_View):
     """Writable bytes loaned to a producer; ``commit`` seals them and returns the handle."""
 
-    def __init__(self, client: "_Client", handle: Handle, memory: memoryview, commit_token: bytes):
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview,
+                 placed: tuple[TableClient, Placed] | None = None):
+        """``placed``: the object-table entry of a loan placed in this producer's own grant."""
         super().__init__(client, handle, memory)
-        self._commit_token = commit_token  # kept private until commit: it lets the holder commit
+        self._placed = placed
         self.committed = False
 
     def commit(self, hash: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
@@ -353,9 +411,13 @@ class Loan(_View):
 class Lease(_View):
     """A consumer's read-only view of committed bytes, valid until ``release``."""
 
-    def __init__(self, client: "_Client", handle: Handle, memory: memoryview, lease_id: int):
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview, lease_id: int,
+                 table: TableClient | None = None):
+        """``table``: set for a lease held with this client's bit in the object table
+        (``lease_id`` 0); otherwise the daemon's lease ``lease_id``."""
         super().__init__(client, handle, memory)
         self.lease_id = lease_id
+        self._table = table
         self._private: np.ndarray | None = None
 
     def tensor(self):
@@ -403,6 +465,7 @@ class _Client:
 
     _writable = False
     MAX_QUEUED_RELEASES = 256
+    GRANT_RETURN_DELAY_S = 0.1  # how often a producer looks for grants to give back while it has some
 
     def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0, release_delay_s: float = 0.02,
                  *, daemon_uid: int | None = None):
@@ -417,6 +480,7 @@ class _Client:
         self._queued_leases: list[int] = []
         self._timer: threading.Timer | None = None
         self._closed = False
+        self._tables: TableClient | None = None  # this session's side of the object table
         self._conn.ensure()
 
     @property
@@ -447,6 +511,29 @@ class _Client:
                 self._call("Release", request)
 
     # -- internals -------------------------------------------------------------------------------
+    def _table_client(self) -> TableClient | None:
+        """This connection's object-table client (lock held), rebuilt after a reconnect; None when
+        objects go through the daemon (no table, no bit, or no C kernels)."""
+        table = self._conn.table
+        if table is None:
+            self._tables = None
+            return None
+        if self._tables is None or self._tables.table is not table:
+            hello = self._conn.hello
+            info = hello["object_table"]
+            self._tables = TableClient(table, self._conn.holder_bit, int(hello["arena_nbytes"]),
+                                       int(info["handoff_window_ms"]), int(info["max_hold_ms"]),
+                                       self._grant)
+        return self._tables
+
+    def _grant(self, nbytes: int, nslots: int, give_back: list[int], wait_ms: int) -> pb.GrantResponse:
+        return self._call("Grant", pb.GrantRequest(nbytes=nbytes, nslots=nslots, wait_ms=wait_ms, give_back=give_back))
+
+    def _live_table(self, tables: TableClient | None) -> bool:
+        """Whether a view's object-table client still speaks for this connection (after a daemon
+        restart its objects are gone with the daemon: nothing is left to release)."""
+        return tables is not None and tables is self._tables and tables.table is self._conn.table
+
     def _call(self, method: str, request):
         self._before_call(method)
         if method != "Release":
@@ -519,9 +606,20 @@ class _Client:
             self._schedule_flush()
 
     def _queue(self, view: _View) -> None:
+        """Release one view's hold (lock held): in the object table at once, else queued for the
+        daemon."""
         view._forget_memory()
         if isinstance(view, Lease):
-            self._queued_leases.append(view.lease_id)
+            if view._table is not None:
+                if self._live_table(view._table):
+                    shm = view.handle.shm
+                    view._table.release_lease(shm.slot - 1, shm.generation)
+            else:
+                self._queued_leases.append(view.lease_id)
+        elif view._placed is not None:
+            tables, placed = view._placed
+            if self._live_table(tables) and placed.held:
+                tables.release_own(placed, cancel_handoff=True)
         else:
             self._queued_handles.append(view.handle.shm)
 
@@ -533,8 +631,12 @@ class _Client:
     def _schedule_flush(self) -> None:
         if len(self._queued_handles) + len(self._queued_leases) >= self.MAX_QUEUED_RELEASES:
             threading.Thread(target=self._flush_quietly, daemon=True).start()
-        elif (self._queued_handles or self._queued_leases or self._deferred) and self._timer is None:
+        elif self._timer is None and (self._queued_handles or self._queued_leases or self._deferred):
             self._timer = threading.Timer(self._release_delay_s, self._flush_quietly)
+            self._timer.daemon = True
+            self._timer.start()
+        elif self._timer is None and self._surplus_grants():
+            self._timer = threading.Timer(self.GRANT_RETURN_DELAY_S, self._flush_quietly)
             self._timer.daemon = True
             self._timer.start()
 
@@ -548,10 +650,35 @@ class _Client:
                 self._requeue_deferred(force=False)
         try:
             self.flush(strict=False)
+            self._return_grants()
         except Unavailable:
             pass  # the daemon is gone, and with it everything this client held
         except Exception:
             _log.exception("background release failed")
+        with self._lock:
+            if not self._closed:
+                self._schedule_flush()  # grants whose last objects are still held: look again later
+
+    def _surplus_grants(self) -> bool:
+        tables = self._tables
+        return tables is not None and self._live_table(tables) and tables.has_surplus
+
+    def _return_grants(self) -> None:
+        """Give grants this producer no longer needs back to the daemon (background)."""
+        with self._lock:
+            tables = self._tables
+            if not self._surplus_grants():
+                return
+            tables.collect()
+            give_back, tables.give_back = tables.give_back, []
+        if give_back:
+            try:
+                self._call("Grant", pb.GrantRequest(give_back=give_back))
+            except BaseException:
+                with self._lock:
+                    if tables is self._tables:
+                        tables.give_back.extend(give_back)
+                raise
 
     def _requeue_deferred(self, force: bool) -> None:
         with self._lock:
@@ -572,6 +699,14 @@ class _Client:
         try:
             self._requeue_deferred(force=True)
             self.flush(strict=False)
+            give_back: list[int] = []
+            with self._lock:
+                if self._live_table(self._tables):
+                    # Leases and producer references; committed objects keep their hand-off bit.
+                    self._tables.release_all()
+                    give_back = self._tables.give_back_all()
+            if give_back:  # at once, so the daemon's books are exact when close returns
+                self._conn.call("Grant", pb.GrantRequest(give_back=give_back))
         except Unavailable:
             pass
         finally:
@@ -632,6 +767,12 @@ class Producer(_Client):
         ``dedicated``: each loan gets its own daemon-owned segment (handle offset 0) that a stock
         reader may unlink after reading (SMG / vLLM ShmHandle readers); reclaimed like any loan."""
         typed = [_loan_spec(*spec) for spec in specs]
+        if not typed:
+            raise InvalidArgument("nbytes must not be empty")
+        if not dedicated:
+            loans = self._place(typed)
+            if loans is not None:
+                return loans
         request = pb.LoanRequest(
             nbytes=[max(nbytes, 1) for _, _, nbytes in typed], wait_ms=int(self.alloc_wait_s * 1000),
             dedicated=dedicated,
@@ -639,20 +780,43 @@ class Producer(_Client):
         response = self._call("Loan", request)
         memories = self._map_granted(response.handles, [])
         return [
-            Loan(self, Handle(shm, dt, shape), memory[:nbytes], token)
-            for shm, memory, token, (dt, shape, nbytes) in zip(
-                response.handles, memories, response.commit_tokens, typed)
+            Loan(self, Handle(shm, dt, shape), memory[:nbytes])
+            for shm, memory, (dt, shape, nbytes) in zip(response.handles, memories, typed)
         ]
+
+    def _place(self, typed: list[tuple[str, tuple[int, ...], int]]) -> list[Loan] | None:
+        """Loans placed in this producer's own grants (the object table): no daemon involved
+        unless a new grant is needed. None when this session has no table."""
+        self._before_call("Loan")
+        self._conn.ensure_recent()
+        with self._lock:
+            tables = self._table_client()
+            if tables is None:
+                return None
+            placed = tables.place([max(nbytes, 1) for _, _, nbytes in typed], self.alloc_wait_s)
+            mapping, hello = self._conn.mapping, self._conn.hello
+            loans = []
+            for obj, (dt, shape, nbytes) in zip(placed, typed):
+                shm = pb.Handle(name=mapping.name, offset=obj.offset, nbytes=obj.nbytes, owner_id=hello["session_id"],
+                                generation=obj.generation, instance_id=hello["instance_id"], slot=obj.slot + 1)
+                loans.append(Loan(self, Handle(shm, dt, shape), mapping.view(obj.offset, obj.nbytes)[:nbytes],
+                                  (tables, obj)))
+            return loans
 
     def commit_many(
         self, loans: Sequence[Loan], hash: bool = False, hold_ms: int = 0, wait: bool = False
     ) -> list[Handle]:
         """Seal loans; ``hash`` computes each content digest from shared memory first.
 
-        By default the commit costs no round trip: it travels with the handles (commit by handoff)
-        and the first consumer's Acquire commits the objects. With ``hold_ms`` (keep the objects
-        alive after this producer releases them) or ``wait=True`` a Commit RPC is sent; it is
-        pipelined unless ``wait`` (a failure raises from this producer's next blocking call).
+        A committed object is handed off: if this producer closes (or dies) before any consumer
+        acquired it, it lives on until a first consumer does, or until the daemon's hand-off
+        window passes with nobody acquiring it. An explicit ``release`` ends the hand-off: the
+        object then lives only as long as consumers that already hold it. ``hold_ms``: keep it
+        alive that long whoever acquires or releases it (fan-out to consumers that come later).
+
+        Loans in the object table commit in shared memory (no round trip). Other loans send a
+        Commit RPC, pipelined unless ``wait`` (a failure raises from this producer's next
+        blocking call); a consumer's Acquire waits for a commit still in flight.
         """
         for loan in loans:
             if loan._released:
@@ -662,12 +826,22 @@ class Producer(_Client):
         for loan in loans:
             if hash:
                 loan.handle.digest = kernels.tree_digest(loan._memory)
-        if not hold_ms and not wait:
-            for loan in loans:
-                loan.committed = True
-                loan.handle.commit_token = loan._commit_token
-                loan._seal()
-            return [loan.handle for loan in loans]
+        in_table = [loan for loan in loans if loan._placed is not None]
+        if in_table:
+            with self._lock:
+                for loan in in_table:
+                    tables, placed = loan._placed
+                    if not self._live_table(tables):
+                        raise Unavailable("the daemon restarted: this loan's bytes are gone", Reason.INSTANCE_MISMATCH)
+                    tables.commit(placed, hold_ms)
+                    loan.committed = True
+                    loan._seal()
+        rest = [loan for loan in loans if loan._placed is None]
+        if rest:
+            self._commit_rpc(rest, hold_ms, wait)
+        return [loan.handle for loan in loans]
+
+    def _commit_rpc(self, loans: Sequence[Loan], hold_ms: int, wait: bool) -> None:
         self._before_call("Commit")
         request = pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms)
         self._piggyback(request)
@@ -685,7 +859,6 @@ class Producer(_Client):
                 raise
         for loan in loans:
             loan._seal()
-        return [loan.handle for loan in loans]
 
     def _before_call(self, method: str) -> None:
         super()._before_call(method)
@@ -748,18 +921,44 @@ class Producer(_Client):
         return handles
 
     def release(self, handles: Handle | Iterable[Handle], wait: bool = False) -> None:
-        """Drop this producer's reference(s); bytes are freed once every consumer released too.
+        """Drop this producer's reference(s); bytes are freed once every consumer that holds
+        them released too. Unlike closing, this ends the hand-off (see ``commit_many``).
 
-        Queued and piggybacked like every release; ``wait=True`` sends it now and raises the
-        daemon's verdict (e.g. a handle released twice)."""
+        Objects of the object table are released at once, in shared memory (a handle released
+        twice raises StateError). Others are queued and piggybacked like every release;
+        ``wait=True`` sends them now and raises the daemon's verdict (e.g. a double release)."""
         handles = [handles] if isinstance(handles, Handle) else list(handles)
         if self._closed:
             raise ClosedError("Producer is closed")
+        handles = self._release_in_table(handles)
+        if not handles:
+            return
         if wait:
             self.flush(strict=False)
             self._call("Release", pb.ReleaseRequest(handles=[h.shm for h in handles]))
         else:
             self._queue_handles(h.shm for h in handles)
+
+    def _release_in_table(self, handles: list[Handle]) -> list[Handle]:
+        """Release this producer's object-table handles; the other handles."""
+        if not any(h.shm.slot for h in handles):
+            return handles
+        rest = []
+        with self._lock:
+            tables = self._tables
+            live = self._live_table(tables)
+            for h in handles:
+                if not h.shm.slot:
+                    rest.append(h)
+                    continue
+                placed = tables.owned(h.shm.slot - 1, h.shm.generation) if live else None
+                if placed is None:
+                    if not live or h.shm.instance_id != self.instance_id:
+                        continue  # its daemon is gone, and the object with it
+                    raise OwnershipError(f"{h!r} is not an object of this producer (or was already freed)")
+                tables.release_own(placed, cancel_handoff=True)
+            self._schedule_flush()  # grants to give back once their objects die
+        return rest
 
 
 class Consumer(_Client):
@@ -771,7 +970,7 @@ class Consumer(_Client):
     def acquire_many(self, handles: Sequence[Handle], ttl_ms: int = 0) -> list[Lease]:
         """Leases on every handle in one RPC; read-only zero-copy views."""
         handles = list(handles)
-        self._conn.ensure()  # a daemon restart is noticed before handles are compared with it
+        self._conn.ensure_recent()  # a daemon restart is noticed before handles are compared with it
         for h in handles:
             if h.shm.instance_id != self.instance_id:
                 # Checked by the daemon too; failing early avoids mapping a foreign segment.
@@ -780,15 +979,51 @@ class Consumer(_Client):
                     Reason.INSTANCE_MISMATCH,
                 )
         sizes = [_check_manifest(h) for h in handles]
-        request = pb.AcquireRequest(handles=[h.shm for h in handles], ttl_ms=ttl_ms)
-        if any(h.commit_token for h in handles):
-            request.commit_tokens.extend(h.commit_token for h in handles)
-        response = self._call("Acquire", request)
-        memories = self._map_granted([h.shm for h in handles], response.lease_ids)
-        return [
-            Lease(self, h, memory[:nbytes], lease_id)
-            for h, memory, nbytes, lease_id in zip(handles, memories, sizes, response.lease_ids)
-        ]
+        leases: list[Lease | None] = [None] * len(handles)
+        with self._lock:
+            tables = self._table_client()
+            if tables is not None:
+                self._acquire_in_table(tables, handles, sizes, leases)
+        rest = [i for i, lease in enumerate(leases) if lease is None]
+        if not rest:
+            return leases
+        try:
+            request = pb.AcquireRequest(handles=[handles[i].shm for i in rest], ttl_ms=ttl_ms)
+            if any(handles[i].commit_token for i in rest):
+                request.commit_tokens.extend(handles[i].commit_token for i in rest)
+            response = self._call("Acquire", request)
+            memories = self._map_granted([handles[i].shm for i in rest], response.lease_ids)
+        except BaseException:
+            self._release_views([lease for lease in leases if lease is not None])
+            raise
+        for i, memory, lease_id in zip(rest, memories, response.lease_ids):
+            leases[i] = Lease(self, handles[i], memory[:sizes[i]], lease_id)
+        return leases
+
+    def _acquire_in_table(self, tables: TableClient, handles: list[Handle], sizes: list[int],
+                          leases: list[Lease | None]) -> None:
+        """Leases with this client's bit on every object-table handle (lock held); all or
+        nothing: a refusal gives back the ones taken and raises."""
+        mapping = self._conn.mapping
+        taken: list[Lease] = []
+        try:
+            for i, h in enumerate(handles):
+                shm = h.shm
+                if not shm.slot:
+                    continue
+                if shm.name != mapping.name:
+                    raise HandleError(f"an object-table handle names segment {shm.name!r}, not this tenant's arena")
+                if shm.offset + shm.nbytes > mapping.nbytes:
+                    raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena", Reason.OUT_OF_BOUNDS)
+                tables.acquire(shm.slot - 1, shm.generation, shm.offset, shm.nbytes)
+                lease = Lease(self, h, mapping.view(shm.offset, shm.nbytes)[:sizes[i]], 0, tables)
+                taken.append(lease)
+                leases[i] = lease
+        except BaseException:
+            for lease in taken:
+                lease._detach_views()
+                self._queue(lease)
+            raise
 
     def release_many(self, leases: Sequence[Lease], wait: bool = False) -> None:
         """Release leases (queued and piggybacked; ``wait=True`` sends them now)."""

@@ -71,6 +71,12 @@ class DaemonConfig:
     commit_wait_s: float = 2.0  # how long Acquire waits for a commit still in flight
     max_alloc_wait_ms: int = 10_000  # cap on a Loan's back-pressure wait for free space
     page_align_min_nbytes: int = 64 * 1024
+    # Slots of each tenant's object table (objects whose lifetime lives in shared memory, so
+    # clients with the C kernels loan, commit, acquire and release without the daemon). None: one
+    # per 4 KiB of arena, 1,024 to 65,536; 0: no table (every object goes through the daemon).
+    object_slots: int | None = None
+    # A committed object nobody has acquired yet survives its producer (close, exit) this long.
+    handoff_window_ms: int = 30_000
     metrics_port: int | None = None  # shorthand for metrics_address "127.0.0.1:PORT"
     metrics_address: str | None = None  # "HOST:PORT" or "unix:/path"
     # Threads serving RPCs. Acquire (waiting for a commit in flight) and Loan (waiting for space)
@@ -92,6 +98,13 @@ class DaemonConfig:
         if self.allowed_groups or any(uid != euid for uid in self.allowed_uids):
             return 0o666
         return 0o600
+
+    def resolved_object_slots(self, arena_nbytes: int) -> int:
+        if self.object_slots is None:
+            return min(65536, max(1024, arena_nbytes // PAGE // 64 * 64))
+        if self.object_slots < 0:
+            raise ValueError(f"object_slots must be >= 0, got {self.object_slots}")
+        return (self.object_slots + 63) // 64 * 64
 
     def resolved_arena_nbytes(self, tenants: int = 1) -> int:
         """Each tenant's arena: ``arena_nbytes``, or the default split between the tenants."""

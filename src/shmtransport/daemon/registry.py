@@ -45,7 +45,8 @@ from ..errors import (
     Unavailable,
 )
 from ..v1 import daemon_pb2 as pb
-from .allocator import Allocator
+from ..allocator import PAGE, Allocator
+from .objects import ObjectBook
 from .segments import Segment, ShmReserve
 
 _log = logging.getLogger("shmtransport.daemon")
@@ -90,6 +91,7 @@ class Allocation:
     state: ObjState = ObjState.LOANED
     producer_ref: bool = True
     hold_until: float = 0.0  # monotonic deadline; 0 = no hold
+    handoff: bool = False  # the hold is the hand-off window: the first acquire ends it
     leases: set[int] = dataclasses.field(default_factory=set)
     commit_token: bytes = b""  # presenting it in Acquire commits the loan (commit by handoff)
     # Dedicated segment per object (LoanRequest.dedicated): the object's own segment; ``offset`` is
@@ -116,6 +118,7 @@ class Limits:
     default_hold_ms: int
     max_hold_ms: int = 60_000
     max_batch: int = MAX_BATCH
+    handoff_window_ms: int = 30_000
 
 
 class _CommitWaiter:
@@ -130,12 +133,13 @@ class _CommitWaiter:
 class Registry:
     def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: Limits,
                  shm_reserve: ShmReserve | None = None, segment_owner: tuple[int, int] | None = (-1, -1),
-                 tenant: str = ""):
+                 tenant: str = "", objects: ObjectBook | None = None):
         """``segment_name``: this tenant's arena, ``{prefix}-{instance}-{tenant}-arena``; its dedicated
         segments are ``{prefix}-{instance}-{tenant}-obj{generation}-{random}``. ``shm_reserve``: the
         daemon-wide /dev/shm budget dedicated segments are created under; ``segment_owner``: the
         (uid, gid) they are handed to (-1: keep the daemon's), so the tenant can open them by name;
-        None: this tenant cannot be given any (a daemon that is not root cannot hand files over)."""
+        None: this tenant cannot be given any (a daemon that is not root cannot hand files over).
+        ``objects``: the tenant's object table, when it has one (see ``daemon.objects``)."""
         self.instance_id = instance_id
         self.tenant = tenant
         self.segment_name = segment_name
@@ -164,14 +168,19 @@ class Registry:
         # memory and the cost of Stat stay proportional to the recent rate, not to uptime.
         self._alloc_times: collections.deque[float] = collections.deque()
         self.counters = collections.Counter()
+        self.objects = objects
 
     # -- sessions --------------------------------------------------------------------------------
-    def open_session(self, session_id: str, pid: int, uid: int, quarantine_expired: bool = True) -> Session:
+    def open_session(self, session_id: str, pid: int, uid: int, quarantine_expired: bool = True,
+                     holder_bit: bool = True) -> dict:
+        """Register a session; the hello fields it adds (its object-table holder bit, if any:
+        ``holder_bit=False`` for sessions that reach the table through the daemon only)."""
         with self._lock:
             session = Session(session_id, pid, uid, quarantine_expired)
             self._sessions[session_id] = session
             self.counters["sessions_total"] += 1
-            return session
+            bit = self.objects.open_session(session_id) if self.objects is not None and holder_bit else None
+            return {} if bit is None else {"holder_bit": bit}
 
     @property
     def live_sessions(self) -> int:
@@ -191,6 +200,55 @@ class Registry:
             for offset in list(session.producer_refs):
                 self.counters["reclaimed_death_refs"] += 1
                 self.counters["reclaimed_death_nbytes"] += self._drop_producer_ref(self._objects[offset], session)
+            if self.objects is not None:
+                held, nbytes = self.objects.close_session(session_id, self._free_granted)
+                self.counters["reclaimed_death_leases"] += held
+                self.counters["reclaimed_death_nbytes"] += nbytes
+
+    # -- grants: space producers place objects in themselves (the object table) ------------------
+    def grant(self, session_id: str, nbytes: int, nslots: int, wait_s: float = 0.0,
+              give_back: Sequence[int] = ()) -> pb.GrantResponse:
+        """Arena bytes plus object slots for a producer with a holder bit (all or nothing); waits
+        up to ``wait_s`` for space like ``loan``. ``give_back``: grants returned first."""
+        if self.objects is None:
+            raise StateError("this daemon has no object table: loan with Loan")
+        if nbytes < 0 or nslots < 0 or nslots > self.objects.nslots:
+            raise InvalidArgument(f"grant of {nbytes} bytes and {nslots} slots: out of range")
+        if len(give_back) > self.limits.max_batch:
+            raise InvalidArgument(f"give_back: {len(give_back)} entries exceed the batch limit {self.limits.max_batch}")
+        with self._lock:
+            self._live_session(session_id)
+            if give_back:
+                self.objects.give_back(session_id, list(give_back), self._free_granted)
+            if nbytes == 0:
+                return pb.GrantResponse()
+            nbytes = (nbytes + PAGE - 1) // PAGE * PAGE
+            nslots = min(self.objects.nslots, max(64, (nslots + 63) // 64 * 64))
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    if self.limits.quota_nbytes is not None:
+                        self._check_quota(nbytes)
+                    offset = self.allocator.allocate(nbytes)
+                    break
+                except ResourceExhausted:
+                    if self.objects.reclaim_orphans(self._free_granted):
+                        continue
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or nbytes > min(self.allocator.nbytes, self.quota_nbytes):
+                        self.counters["allocation_failures"] += 1
+                        raise
+                    self._freed.wait(min(remaining, 0.05))  # orphans die without telling anyone
+            try:
+                return self.objects.grant(session_id, offset, nbytes, nslots)
+            except BaseException:
+                self.allocator.free(offset)
+                raise
+
+    def _free_granted(self, offset: int) -> None:
+        """An orphaned grant whose objects all died goes back to the arena (lock held)."""
+        self.allocator.free(offset)
+        self._freed.notify_all()
 
     # -- producer side ---------------------------------------------------------------------------
     def loan(self, session_id: str, sizes: Iterable[int], wait_s: float = 0.0) -> pb.LoanResponse:
@@ -320,12 +378,14 @@ class Registry:
                     raise StateError(f"object at offset {obj.offset} is already committed")
             if len({obj.offset for obj in objs}) != len(objs):
                 raise InvalidArgument("the same handle appears twice in one commit")
-            until = time.monotonic() + hold_ms / 1000 if hold_ms else 0.0
+            # Without a hold, the hand-off window: the object outlives its producer until the first
+            # acquire (or the window passes), so "commit, send the handle, close" works.
+            handoff = not hold_ms
+            until = time.monotonic() + (self.limits.handoff_window_ms if handoff else hold_ms) / 1000
             for obj in objs:
                 self._mark_committed(obj)
-                if until:
-                    obj.hold_until = until
-                    heapq.heappush(self._deadlines, (until, _HOLD, obj.offset))
+                obj.hold_until, obj.handoff = until, handoff
+                heapq.heappush(self._deadlines, (until, _HOLD, obj.offset))
 
     # -- consumer side ---------------------------------------------------------------------------
     def acquire(
@@ -346,26 +406,69 @@ class Registry:
         ttl_ms = ttl_ms or self.limits.default_lease_ttl_ms
         if ttl_ms > self.limits.max_lease_ttl_ms:
             raise InvalidArgument(f"ttl_ms={ttl_ms} exceeds the maximum {self.limits.max_lease_ttl_ms}")
+        # Objects of the object table are held with the daemon's proxy bit (the caller has no bit
+        # of its own); the rest are the registry's.
+        in_table = [i for i, h in enumerate(handles) if h.slot]
+        mine = [i for i, h in enumerate(handles) if not h.slot]
         with self._lock:
             session = self._live_session(session_id)
-            objs = self._wait_committed(handles, commit_tokens, commit_wait_s)
-            if len(self._leases) + len(objs) > self.limits.quota_leases:
+            for i in in_table:
+                self._check_table_handle(handles[i])
+            tokens = [commit_tokens[i] for i in mine] if commit_tokens else []
+            objs = self._wait_committed([handles[i] for i in mine], tokens, commit_wait_s) if mine else []
+            held = len(self._leases) + (self.objects.proxy_leases if self.objects is not None else 0)
+            if held + len(handles) > self.limits.quota_leases:
                 raise ResourceExhausted(
-                    f"tenant lease quota exceeded: the tenant holds {len(self._leases)} leases, asks "
-                    f"{len(objs)} more, quota {self.limits.quota_leases}",
+                    f"tenant lease quota exceeded: the tenant holds {held} leases, asks "
+                    f"{len(handles)} more, quota {self.limits.quota_leases}",
                     Reason.QUOTA_EXCEEDED,
                 )
+            lease_ids = [0] * len(handles)
+            try:
+                for i in in_table:
+                    self.objects.proxy_acquire(session_id, handles[i], self._next_lease_id)
+                    lease_ids[i] = self._next_lease_id
+                    session.leases.add(self._next_lease_id)
+                    self._next_lease_id += 1
+            except BaseException:
+                for i in in_table:
+                    if lease_ids[i]:
+                        self.objects.proxy_release(lease_ids[i])
+                        session.leases.discard(lease_ids[i])
+                raise
             expires_at = time.monotonic() + ttl_ms / 1000
-            lease_ids = []
-            for obj in objs:
+            for i, obj in zip(mine, objs):
                 lease = Lease(self._next_lease_id, obj.offset, obj.generation, session_id, expires_at)
                 self._next_lease_id += 1
                 self._leases[lease.lease_id] = lease
                 obj.leases.add(lease.lease_id)
+                if obj.handoff:  # the first acquire takes the hand-off over
+                    obj.hold_until, obj.handoff = 0.0, False
                 session.leases.add(lease.lease_id)
                 heapq.heappush(self._deadlines, (expires_at, _LEASE, lease.lease_id))
-                lease_ids.append(lease.lease_id)
+                lease_ids[i] = lease.lease_id
             return lease_ids
+
+    def _check_table_handle(self, h: pb.Handle) -> None:
+        """A handle naming an object-table slot: of this instance, tenant and arena."""
+        if h.instance_id != self.instance_id:
+            raise Unavailable(
+                f"handle of daemon instance {h.instance_id!r}, this is {self.instance_id!r} "
+                "(the daemon restarted; its bytes are gone)",
+                Reason.INSTANCE_MISMATCH,
+            )
+        if h.name != self.segment_name:
+            if self._other_tenant_re.match(h.name):
+                raise PermissionDenied(f"segment {h.name!r} belongs to another tenant of this daemon")
+            raise HandleError(f"an object-table handle names segment {h.name!r}, not this tenant's arena")
+        if self.objects is None:
+            raise HandleError("the handle names an object-table slot; this daemon has no object table")
+        if h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes:
+            raise HandleError(
+                f"offset {h.offset} + nbytes {h.nbytes} outside the arena of {self.allocator.nbytes} bytes",
+                Reason.OUT_OF_BOUNDS,
+            )
+        self.objects.proxy_check(h)
 
     def _wait_committed(
         self, handles: list[pb.Handle], commit_tokens: Sequence[bytes], commit_wait_s: float
@@ -421,15 +524,23 @@ class Registry:
             session = self._live_session(session_id)
             if piggybacked:
                 handles, lease_ids = self._still_held(session, handles, lease_ids)
+            if any(h.slot for h in handles):
+                raise InvalidArgument("objects of the object table are released in shared memory, not by RPC")
             objs = [self._resolve(h) for h in handles]
             for obj in objs:
                 if obj.owner != session_id:
                     raise OwnershipError(f"release of another client's object (offset {obj.offset})")
                 if not obj.producer_ref:
                     raise StateError(f"object at offset {obj.offset} already released", Reason.DOUBLE_RELEASE)
-            leases = []
+            leases, proxied = [], []
             for lease_id in lease_ids:
                 lease = self._leases.get(lease_id)
+                proxy = self.objects.proxy_lease(lease_id) if lease is None and self.objects is not None else None
+                if proxy is not None:
+                    if proxy.session_id != session_id:
+                        raise OwnershipError(f"lease {lease_id} belongs to another client")
+                    proxied.append(lease_id)
+                    continue
                 if lease is None:
                     if 0 < lease_id < self._next_lease_id:
                         raise StateError(f"lease {lease_id} already released or expired", Reason.DOUBLE_RELEASE)
@@ -440,9 +551,14 @@ class Registry:
             if len({obj.offset for obj in objs}) != len(objs) or len(set(lease_ids)) != len(lease_ids):
                 raise InvalidArgument("the same handle or lease appears twice in one release")
             for obj in objs:
+                if obj.handoff:  # an explicit release ends the hand-off (a session's end keeps it)
+                    obj.hold_until, obj.handoff = 0.0, False
                 self._drop_producer_ref(obj, session)
             for lease in leases:
                 self._drop_lease(lease, session)
+            for lease_id in proxied:
+                self.objects.proxy_release(lease_id)
+                session.leases.discard(lease_id)
 
     def _still_held(
         self, session: Session, handles: list[pb.Handle], lease_ids: list[int]
@@ -474,7 +590,14 @@ class Registry:
                     obj = self._objects.get(key)
                     if obj is not None and obj.hold_until and obj.hold_until <= now:
                         obj.hold_until = 0.0
-                        self._maybe_free(obj)
+                        freed = self._maybe_free(obj)
+                        if freed and obj.handoff:
+                            self.counters["reclaimed_handoff_objects"] += 1
+                            self.counters["reclaimed_handoff_nbytes"] += freed
+            if self.objects is not None:
+                self.objects.expire_handoffs()
+                self.objects.reclaim_orphans(self._free_granted)
+                self.objects.sample_allocations(_RATE_WINDOW_S)
             # Released leases leave their deadline behind (lazy deletion); rebuild the heap when
             # such stale entries dominate, so memory follows what is live, not the TTL x rate.
             if len(self._deadlines) > 4 * (len(self._leases) + len(self._objects)) + 4096:
@@ -499,6 +622,13 @@ class Registry:
         with self._lock:
             self._prune_rate_window(time.monotonic())
             recent = len(self._alloc_times)
+            granted = self.objects.granted_nbytes if self.objects is not None else 0
+            table = dict.fromkeys(("objects", "nbytes", "leases", "handoff", "reclaimed_handoff_objects",
+                                   "reclaimed_handoff_nbytes", "allocations_total", "allocations_per_s"), 0)
+            if self.objects is not None:
+                table.update(self.objects.snapshot(), **self.objects.counters,
+                             allocations_total=self.objects.allocations_total,
+                             allocations_per_s=self.objects.allocation_rate(_RATE_WINDOW_S))
             clients = [
                 pb.ClientStat(
                     session_id=s.session_id,
@@ -513,12 +643,19 @@ class Registry:
             a = self.allocator
             c = self.counters
             return pb.StatResponse(
-                used_nbytes=a.used_nbytes,
+                # Bytes of live objects; space granted to producers but not used by an object yet
+                # is in granted_nbytes only (neither used nor free).
+                used_nbytes=a.used_nbytes - granted + table["nbytes"],
                 free_nbytes=a.free_nbytes,
                 largest_free_nbytes=a.largest_free_nbytes,
                 free_extents=a.free_extents,
-                live_objects=len(self._objects),
-                live_leases=len(self._leases),
+                live_objects=len(self._objects) + table["objects"],
+                live_leases=len(self._leases) + table["leases"],
+                granted_nbytes=granted,
+                table_objects=table["objects"],
+                handoff_objects=table["handoff"],
+                reclaimed_handoff_objects=c["reclaimed_handoff_objects"] + table["reclaimed_handoff_objects"],
+                reclaimed_handoff_nbytes=c["reclaimed_handoff_nbytes"] + table["reclaimed_handoff_nbytes"],
                 tenant=self.tenant,
                 quarantined_leases=len(self._quarantined),
                 quarantined_nbytes=sum(self._quarantined.values()),
@@ -527,8 +664,8 @@ class Registry:
                 quota_nbytes=self.quota_nbytes,
                 quota_leases=self.limits.quota_leases,
                 clients=clients,
-                allocations_total=c["allocations_total"],
-                allocations_per_s=recent / _RATE_WINDOW_S,
+                allocations_total=c["allocations_total"] + table["allocations_total"],
+                allocations_per_s=recent / _RATE_WINDOW_S + table["allocations_per_s"],
                 reclaimed_ttl_nbytes=c["reclaimed_ttl_nbytes"],
                 reclaimed_ttl_leases=c["reclaimed_ttl_leases"],
                 reclaimed_death_nbytes=c["reclaimed_death_nbytes"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -97,6 +98,10 @@ class Segment:
     @property
     def closed(self) -> bool:
         return self._fd < 0
+
+    def map(self) -> mmap.mmap:
+        """A shared read-write mapping of the whole segment in this process."""
+        return mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def open_fd(self, writable: bool) -> int:
         """A new fd of this segment (for passing to a client), opened from the daemon's own."""

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from .. import objtable
 from ..errors import (
     InvalidArgument,
     PermissionDenied,
@@ -32,8 +33,9 @@ from ..errors import (
 )
 from ..v1 import daemon_pb2 as pb
 from ..v1 import daemon_pb2_grpc as pb_grpc
-from .allocator import Allocator
+from ..allocator import Allocator
 from .config import DaemonConfig
+from .objects import ObjectBook
 from .registry import MAX_BATCH, Limits, Registry
 from .segments import (
     Segment,
@@ -77,6 +79,7 @@ class Tenant:
     segment: Segment
     registry: Registry
     wait_slots: queue.SimpleQueue
+    objects: ObjectBook | None = None  # the tenant's object table, when the daemon keeps one
 
     def __repr__(self) -> str:
         return f"Tenant({self.key}, {self.segment.name})"
@@ -193,6 +196,17 @@ class _Servicer(pb_grpc.DaemonServicer):
         return response
 
     @_typed_errors
+    def Grant(self, request, context):
+        session_id, tenant = self._session(context)
+        registry = tenant.registry
+        wait_s = min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000
+        response = self._waiting(tenant, wait_s, context, lambda w: registry.grant(
+            session_id, request.nbytes, request.nslots, w, request.give_back))
+        if response.grant_id and not context.is_active():
+            registry.grant(session_id, 0, 0, 0.0, [response.grant_id])  # nobody will place objects in it
+        return response
+
+    @_typed_errors
     def Commit(self, request, context):
         session_id, tenant = self._session(context)
         _check_release_counts(request)
@@ -302,16 +316,30 @@ class Daemon:
             max_lease_ttl_ms=cfg.max_lease_ttl_ms,
             default_hold_ms=cfg.default_hold_ms,
             max_hold_ms=cfg.max_hold_ms,
+            handoff_window_ms=cfg.handoff_window_ms,
         )
+        # The table's words are changed with atomics only, so the daemon keeps one only where it
+        # has the C kernels; without them every object goes through the registry.
+        nslots = cfg.resolved_object_slots(arena_nbytes) if objtable.available() else 0
         wait_share = max(1, cfg.grpc_workers // 2 // len(specs))
         for index, (key, uid, gid) in enumerate(specs):
-            segment = Segment.create(f"{cfg.name_prefix}-{self.instance_id}-t{index}-arena", arena_nbytes)
+            base = f"{cfg.name_prefix}-{self.instance_id}-t{index}"
+            segment = Segment.create(f"{base}-arena", arena_nbytes)
+            objects = None
+            if nslots:
+                table_segment = Segment.create(f"{base}-objects", objtable.table_nbytes(nslots))
+                try:
+                    objects = ObjectBook(table_segment, nslots, cfg.handoff_window_ms)
+                except BaseException:
+                    table_segment.unlink()
+                    segment.unlink()
+                    raise
             slots: queue.SimpleQueue[None] = queue.SimpleQueue()
             for _ in range(wait_share):
                 slots.put(None)
             registry = Registry(self.instance_id, segment.name, Allocator(arena_nbytes, cfg.page_align_min_nbytes),
-                                limits, reserve, _dedicated_owner(uid, gid), tenant=key)
-            self.tenants.append(Tenant(key, uid, gid, segment, registry, slots))
+                                limits, reserve, _dedicated_owner(uid, gid), tenant=key, objects=objects)
+            self.tenants.append(Tenant(key, uid, gid, segment, registry, slots, objects))
 
     def _tenant_of(self, uid: int, groups: Sequence[int]) -> Tenant | None:
         for tenant in self.tenants:
@@ -339,7 +367,14 @@ class Daemon:
             "shm_namespace": info.shm_namespace,
             "tenant": tenant.key,
         }
-        return Admission(tenant, hello, tenant.segment.open_fd(writable))
+        fds = [tenant.segment.open_fd(writable)]
+        if tenant.objects is not None:
+            # Consumers write the table too (their holder bits); the arena stays read-only to them.
+            hello["object_table"] = {"segment_name": tenant.objects.segment.name, "nslots": tenant.objects.nslots,
+                                     "handoff_window_ms": tenant.objects.handoff_window_ms,
+                                     "max_hold_ms": self.config.max_hold_ms}
+            fds.append(tenant.objects.segment.open_fd(True))
+        return Admission(tenant, hello, tuple(fds))
 
     def arena_info_of(self, tenant: Tenant) -> pb.ArenaInfo:
         return pb.ArenaInfo(instance_id=self.instance_id, segment_name=tenant.segment.name,
@@ -431,6 +466,9 @@ class Daemon:
         for tenant in self.tenants:
             tenant.registry.unlink_dedicated()
             tenant.segment.unlink()
+            if tenant.objects is not None:
+                tenant.objects.segment.unlink()
+                tenant.objects.close()
         self._claim.release()  # both sockets and the lock file; never another daemon's
 
     def __enter__(self) -> "Daemon":
@@ -450,8 +488,9 @@ class Daemon:
     @property
     def segment_names(self) -> list[str]:
         """Every segment of this daemon: the tenants' arenas first (the default tenant's leading),
-        then their dedicated segments."""
+        then their object tables, then their dedicated segments."""
         names = [tenant.segment.name for tenant in self.tenants]
+        names += [tenant.objects.segment.name for tenant in self.tenants if tenant.objects is not None]
         return names + [name for tenant in self.tenants for name in tenant.registry.dedicated_names()]
 
     def __repr__(self) -> str:

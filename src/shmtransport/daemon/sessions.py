@@ -59,11 +59,12 @@ def peer_groups(conn: socket.socket, gid: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    """What ``admit`` grants a peer: its tenant, the hello fields, and the arena fd to pass."""
+    """What ``admit`` grants a peer: its tenant, the hello fields, and the fds to pass (the arena's,
+    then the object table's when the tenant has one)."""
 
     tenant: Any
     hello: dict
-    fd: int  # passed to the client and closed here afterwards
+    fds: tuple[int, ...]  # passed to the client and closed here afterwards
 
 
 @dataclasses.dataclass
@@ -90,7 +91,7 @@ class SessionServer:
         path: str,
         allowed: Callable[[int, tuple[int, ...]], bool],
         admit: Callable[[int, int, tuple[int, ...], bool], Admission],
-        on_open: Callable[[str, int, int, Any], None],
+        on_open: Callable[[str, int, int, Any], dict],
         on_close: Callable[[str, Any], None],
         socket_mode: int,
     ):
@@ -235,19 +236,25 @@ class SessionServer:
         # Registered before the reply, so the client's first RPC finds its token; undone if the
         # client is already gone.
         opened = _Open(secrets.token_hex(8), secrets.token_hex(16), admission.tenant)
-        self._on_open(opened.session_id, pending.pid, pending.uid, opened.tenant)
+        try:
+            extra = self._on_open(opened.session_id, pending.pid, pending.uid, opened.tenant)
+        except BaseException:
+            for fd in admission.fds:
+                os.close(fd)
+            raise
         with self._tokens_lock:
             self._tokens[opened.token] = opened
-        hello = dict(admission.hello, session_id=opened.session_id, token=opened.token, pid=pending.pid)
+        hello = dict(admission.hello, **extra, session_id=opened.session_id, token=opened.token, pid=pending.pid)
         try:
             # A fresh socket's send buffer holds far more than a hello: this never blocks.
-            socket.send_fds(conn, [json.dumps(hello).encode() + b"\n"], [admission.fd])
+            socket.send_fds(conn, [json.dumps(hello).encode() + b"\n"], list(admission.fds))
         except OSError as exc:
             _log.info("session handshake with pid %d failed: %s", pending.pid, exc)
             self._drop(conn, opened, registered=False)
             return
         finally:
-            os.close(admission.fd)
+            for fd in admission.fds:
+                os.close(fd)
         self._selector.register(conn, selectors.EVENT_READ, opened)
 
     def _refuse(self, conn: socket.socket, error: str, message: str) -> None:

@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handle(_message.Message):
-    __slots__ = ("name", "offset", "nbytes", "owner_id", "generation", "instance_id")
+    __slots__ = ("name", "offset", "nbytes", "owner_id", "generation", "instance_id", "slot")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     nbytes: int
     owner_id: str
     generation: int
     instance_id: str
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., owner_id: _Optional[str] = ..., generation: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    slot: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., owner_id: _Optional[str] = ..., generation: _Optional[int] = ..., instance_id: _Optional[str] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
     __slots__ = ("shm", "dtype", "shape", "digest", "commit_token")
@@ -67,6 +69,32 @@ class LoanResponse(_message.Message):
     handles: _containers.RepeatedCompositeFieldContainer[Handle]
     commit_tokens: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., commit_tokens: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GrantRequest(_message.Message):
+    __slots__ = ("nbytes", "nslots", "wait_ms", "give_back")
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    GIVE_BACK_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    nslots: int
+    wait_ms: int
+    give_back: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, nbytes: _Optional[int] = ..., nslots: _Optional[int] = ..., wait_ms: _Optional[int] = ..., give_back: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GrantResponse(_message.Message):
+    __slots__ = ("grant_id", "offset", "nbytes", "first_slot", "nslots")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    grant_id: int
+    offset: int
+    nbytes: int
+    first_slot: int
+    nslots: int
+    def __init__(self, grant_id: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., first_slot: _Optional[int] = ..., nslots: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("handles", "hold_ms", "release")
@@ -139,7 +167,7 @@ class ClientStat(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., loaned_nbytes: _Optional[int] = ..., committed_nbytes: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total")
+    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total", "granted_nbytes", "table_objects", "handoff_objects", "reclaimed_handoff_objects", "reclaimed_handoff_nbytes")
     ARENA_FIELD_NUMBER: _ClassVar[int]
     USED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +191,11 @@ class StatResponse(_message.Message):
     QUARANTINED_LEASES_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_LEASES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TABLE_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_HANDOFF_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_HANDOFF_NBYTES_FIELD_NUMBER: _ClassVar[int]
     arena: ArenaInfo
     used_nbytes: int
     free_nbytes: int
@@ -186,4 +219,9 @@ class StatResponse(_message.Message):
     quarantined_leases: int
     quarantined_nbytes: int
     quarantined_leases_total: int
-    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ...) -> None: ...
+    granted_nbytes: int
+    table_objects: int
+    handoff_objects: int
+    reclaimed_handoff_objects: int
+    reclaimed_handoff_nbytes: int
+    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ..., granted_nbytes: _Optional[int] = ..., table_objects: _Optional[int] = ..., handoff_objects: _Optional[int] = ..., reclaimed_handoff_objects: _Optional[int] = ..., reclaimed_handoff_nbytes: _Optional[int] = ...) -> None: ...

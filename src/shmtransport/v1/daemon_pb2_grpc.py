@@ -44,6 +44,11 @@ class DaemonStub:
                 request_serializer=shmtransport_dot_v1_dot_daemon__pb2.LoanRequest.SerializeToString,
                 response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.LoanResponse.FromString,
                 _registered_method=True)
+        self.Grant = channel.unary_unary(
+                '/shmtransport.v1.Daemon/Grant',
+                request_serializer=shmtransport_dot_v1_dot_daemon__pb2.GrantRequest.SerializeToString,
+                response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.GrantResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/shmtransport.v1.Daemon/Commit',
                 request_serializer=shmtransport_dot_v1_dot_daemon__pb2.CommitRequest.SerializeToString,
@@ -76,6 +81,12 @@ class DaemonServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Loan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Grant(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +128,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.Loan,
                     request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.LoanRequest.FromString,
                     response_serializer=shmtransport_dot_v1_dot_daemon__pb2.LoanResponse.SerializeToString,
+            ),
+            'Grant': grpc.unary_unary_rpc_method_handler(
+                    servicer.Grant,
+                    request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.GrantRequest.FromString,
+                    response_serializer=shmtransport_dot_v1_dot_daemon__pb2.GrantResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -193,6 +209,33 @@ class Daemon:
             '/shmtransport.v1.Daemon/Loan',
             shmtransport_dot_v1_dot_daemon__pb2.LoanRequest.SerializeToString,
             shmtransport_dot_v1_dot_daemon__pb2.LoanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Grant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shmtransport.v1.Daemon/Grant',
+            shmtransport_dot_v1_dot_daemon__pb2.GrantRequest.SerializeToString,
+            shmtransport_dot_v1_dot_daemon__pb2.GrantResponse.FromString,
             options,
             channel_credentials,
             insecure,

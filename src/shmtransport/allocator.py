@@ -1,4 +1,5 @@
-"""Best-fit free-extent allocator over one arena's byte range (bookkeeping only: never touches bytes).
+"""Best-fit free-extent allocator over a byte range: the daemon's arena, a producer's grant, the
+slots of an object table. Bookkeeping only: it never touches the bytes.
 
 Free space is a set of disjoint extents kept two ways: by offset (to coalesce a freed extent with
 its neighbours in O(log n)) and by (size, offset) (best fit in O(log n)). Any live allocation pins
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 
-from ..errors import InvalidArgument, Reason, ResourceExhausted
+from .errors import InvalidArgument, Reason, ResourceExhausted
 
 CACHE_LINE = 64
 PAGE = 4096

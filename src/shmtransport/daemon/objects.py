@@ -1,0 +1,250 @@
+"""One tenant's object table as the daemon keeps it: the janitor, not a party to every object.
+
+Clients with the C kernels loan, commit, acquire and release arena objects in the table alone
+(``shmtransport.objtable``). The daemon only
+- gives each live session one holder bit (62 per tenant; later sessions use the RPC path);
+- grants producers space in large pieces: an arena byte range plus a range of slots, in which
+  the producer places objects itself (``Grant``);
+- when a session ends, clears its bit in every slot and takes its grants over: an orphaned grant
+  goes back to the arena once every object in it is dead;
+- ends hand-off windows: a committed object nobody acquired within the window is reclaimed (and
+  counted);
+- holds objects on behalf of clients without a bit (the pure-Python backend, sessions past the
+  62nd, the remote tier) with its proxy bit, counting their leases itself;
+- reads the table for Stat and metrics.
+
+Every method is called with the tenant registry's lock held (the registry owns the arena
+allocator and the quota); none blocks.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import mmap
+import time
+
+import numpy as np
+
+from ..allocator import Allocator
+from ..errors import InvalidArgument, OwnershipError, Reason, ResourceExhausted, StateError
+from ..objtable import HANDOFF, HANDOFF_BIT, PROXY_BIT, SESSION_BITS, SLOT_NBYTES, ObjectTable, SlotStatus, raise_for
+from ..v1 import daemon_pb2 as pb
+from .segments import Segment
+
+_log = logging.getLogger("shmtransport.daemon")
+_NEVER = 1 << 62  # alignment threshold the slot allocator never reaches: slots need only 64 bytes
+
+
+@dataclasses.dataclass
+class Grant:
+    grant_id: int
+    session_id: str | None  # None: orphaned (its producer is gone), freed once all objects died
+    offset: int
+    nbytes: int
+    first_slot: int
+    nslots: int
+
+
+@dataclasses.dataclass
+class ProxyLease:
+    slot: int
+    generation: int
+    session_id: str
+
+
+class ObjectBook:
+    def __init__(self, segment: Segment, nslots: int, handoff_window_ms: int):
+        if nslots <= 0 or nslots % 64:
+            raise InvalidArgument(f"object slots must be a positive multiple of 64, got {nslots}")
+        self.segment = segment
+        self.nslots = nslots
+        self.handoff_window_ms = handoff_window_ms
+        self._map = segment.map()
+        self.table = ObjectTable(memoryview(self._map), nslots)
+        self._slots = Allocator(nslots * SLOT_NBYTES, page_align_min_nbytes=_NEVER)
+        self._free_bits = list(range(SESSION_BITS - 1, -1, -1))  # pop() hands out bit 0 first
+        self._bits: dict[str, int] = {}  # session id -> its bit
+        self._grants: dict[int, Grant] = {}
+        self._next_grant_id = 1
+        self._proxy_counts: dict[tuple[int, int], int] = {}  # (slot, generation) -> proxy leases
+        self._proxy_leases: dict[int, ProxyLease] = {}
+        self.counters = {"reclaimed_handoff_objects": 0, "reclaimed_handoff_nbytes": 0,
+                         "reclaimed_death_objects": 0, "grants_total": 0}
+        self._allocation_samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    # -- sessions --------------------------------------------------------------------------------
+    def open_session(self, session_id: str) -> int | None:
+        """The holder bit of a new session, or None when all are taken (it uses the RPC path)."""
+        if not self._free_bits:
+            return None
+        bit = self._free_bits.pop()
+        self._bits[session_id] = bit
+        return bit
+
+    def close_session(self, session_id: str, release_bytes) -> tuple[int, int]:
+        """The session ended (closed or died): clear its bit everywhere, drop its proxy leases, and
+        orphan its grants. Its bit is free again only after that, so no new session inherits a
+        hold. Returns (holds it still had, bytes of the objects that died with them)."""
+        held = freed_nbytes = 0
+        bit = self._bits.pop(session_id, None)
+        if bit is not None:
+            held, freed, freed_nbytes = self.table.clear_bit(bit)
+            self.counters["reclaimed_death_objects"] += freed
+            self._free_bits.append(bit)
+        for lease_id in [i for i, lease in self._proxy_leases.items() if lease.session_id == session_id]:
+            self._drop_proxy(lease_id)
+            held += 1
+        for grant in self._grants.values():
+            if grant.session_id == session_id:
+                grant.session_id = None
+        self.reclaim_orphans(release_bytes)
+        return held, freed_nbytes
+
+    def bit_of(self, session_id: str) -> int | None:
+        return self._bits.get(session_id)
+
+    # -- grants ----------------------------------------------------------------------------------
+    def grant(self, session_id: str, offset: int, nbytes: int, nslots: int) -> pb.GrantResponse:
+        """Record a grant of arena bytes [offset, +nbytes) (allocated by the caller) with
+        ``nslots`` slots; ResourceExhausted when the table has no such range left."""
+        if session_id not in self._bits:
+            raise StateError("this session has no holder bit: it loans through the daemon (Loan)")
+        try:
+            first = self._slots.allocate(nslots * SLOT_NBYTES) // SLOT_NBYTES
+        except ResourceExhausted:
+            raise ResourceExhausted(
+                f"object table full: no {nslots} free slots of {self.nslots} (raise --object-slots)",
+                Reason.ARENA_FULL,
+            ) from None
+        grant = Grant(self._next_grant_id, session_id, offset, nbytes, first, nslots)
+        self._next_grant_id += 1
+        self._grants[grant.grant_id] = grant
+        self.counters["grants_total"] += 1
+        return pb.GrantResponse(grant_id=grant.grant_id, offset=offset, nbytes=nbytes,
+                                first_slot=first, nslots=nslots)
+
+    def give_back(self, session_id: str, grant_ids, release_bytes) -> None:
+        """A producer returns grants it no longer places objects in; objects still alive in
+        them keep the grant (orphaned) until they die."""
+        for grant_id in grant_ids:
+            grant = self._grants.get(grant_id)
+            if grant is None or grant.session_id != session_id:
+                raise OwnershipError(f"grant {grant_id} is not this session's")
+            grant.session_id = None
+        self.reclaim_orphans(release_bytes)
+
+    def reclaim_orphans(self, release_bytes) -> int:
+        """Free every orphaned grant whose objects are all dead; the bytes returned."""
+        holders = self.table.columns["holders"]
+        freed = 0
+        for grant in [g for g in self._grants.values() if g.session_id is None]:
+            if holders[grant.first_slot:grant.first_slot + grant.nslots].any():
+                continue
+            del self._grants[grant.grant_id]
+            self._slots.free(grant.first_slot * SLOT_NBYTES)
+            release_bytes(grant.offset)
+            freed += grant.nbytes
+        return freed
+
+    @property
+    def granted_nbytes(self) -> int:
+        return sum(g.nbytes for g in self._grants.values())
+
+    # -- the hand-off window ---------------------------------------------------------------------
+    def expire_handoffs(self, now_ns: int | None = None) -> int:
+        """End the hand-off windows (and holds) that passed; the objects that died of it."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        cols = self.table.columns
+        due = np.flatnonzero(((cols["holders"] >> np.uint64(HANDOFF_BIT)) != 0) & (cols["deadline_ns"] <= now_ns))
+        died = 0
+        for index in due.tolist():
+            nbytes = int(cols["nbytes"][index])
+            if self.table.expire(index, now_ns):
+                died += 1
+                self.counters["reclaimed_handoff_objects"] += 1
+                self.counters["reclaimed_handoff_nbytes"] += nbytes
+        return died
+
+    # -- holds on behalf of clients without a bit ------------------------------------------------
+    def proxy_acquire(self, session_id: str, handle: pb.Handle, lease_id: int) -> None:
+        slot, gen = self._slot_of(handle), handle.generation
+        key = (slot, gen)
+        if key not in self._proxy_counts:
+            status = self.table.acquire(slot, gen, handle.offset, handle.nbytes, PROXY_BIT)
+            if status is not SlotStatus.OK:
+                raise_for(status, slot)
+            self._proxy_counts[key] = 0
+        self._proxy_counts[key] += 1
+        self._proxy_leases[lease_id] = ProxyLease(slot, gen, session_id)
+
+    def proxy_check(self, handle: pb.Handle) -> None:
+        """Refuse a handle that cannot name a slot of this table, before anything is held."""
+        self._slot_of(handle)
+
+    def proxy_lease(self, lease_id: int) -> ProxyLease | None:
+        return self._proxy_leases.get(lease_id)
+
+    def proxy_release(self, lease_id: int) -> None:
+        self._drop_proxy(lease_id)
+
+    def _drop_proxy(self, lease_id: int) -> None:
+        lease = self._proxy_leases.pop(lease_id)
+        key = (lease.slot, lease.generation)
+        self._proxy_counts[key] -= 1
+        if not self._proxy_counts[key]:
+            del self._proxy_counts[key]
+            self.table.release(lease.slot, lease.generation, PROXY_BIT)
+
+    @property
+    def proxy_leases(self) -> int:
+        return len(self._proxy_leases)
+
+    def _slot_of(self, handle: pb.Handle) -> int:
+        slot = handle.slot - 1
+        if not 0 <= slot < self.nslots:
+            raise InvalidArgument(f"handle names object slot {handle.slot}, the table has {self.nslots}")
+        return slot
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def allocations_total(self) -> int:
+        """Objects ever placed in the table: every placement adds one to its slot's generation,
+        and generations are never reset."""
+        return int(self.table.columns["generation"].sum())
+
+    def sample_allocations(self, window_s: float) -> float:
+        """Record the count now (the janitor calls this every tick); placements per second over
+        the last ``window_s``."""
+        now = time.monotonic()
+        samples = self._allocation_samples
+        samples.append((now, self.allocations_total))
+        while len(samples) > 1 and now - samples[1][0] >= window_s:
+            samples.popleft()
+        return self.allocation_rate(window_s)
+
+    def allocation_rate(self, window_s: float) -> float:
+        samples = self._allocation_samples
+        if len(samples) < 2:
+            return 0.0
+        return (samples[-1][1] - samples[0][1]) / window_s
+
+    def snapshot(self) -> dict[str, int]:
+        """Live objects in the table and their bytes, consumer leases (session bits other than
+        the producer's, plus proxied leases), and objects waiting for a first acquire."""
+        cols = self.table.columns
+        holders = cols["holders"].copy()  # one read: the words keep changing under us
+        live = holders != 0
+        owner_bits = np.left_shift(np.uint64(1), cols["owner"][live] & np.uint64(63))
+        consumer = holders[live] & np.uint64((1 << SESSION_BITS) - 1) & ~owner_bits
+        leases = int(np.unpackbits(consumer.view(np.uint8)).sum()) if consumer.size else 0
+        return {
+            "objects": int(live.sum()),
+            "nbytes": int(cols["nbytes"][live].sum()),
+            "leases": leases + self.proxy_leases,
+            "handoff": int(((holders & np.uint64(HANDOFF)) != 0).sum()),
+        }
+
+    def close(self) -> None:
+        self.table.close()
+        self._map.close()

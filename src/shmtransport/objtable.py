@@ -1,0 +1,141 @@
+"""The object table: the lifetime of each arena object in one 64-byte slot of shared memory.
+
+Every party that maps a tenant's control segment changes an object's ``holders`` word only with
+atomic read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is a
+publish into a free slot, commit sets the hand-off bit, acquire ORs in the caller's session bit,
+release clears it. No syscall, no daemon. ``docs/objects.md`` states the invariants and what a
+death between any two steps leaves behind.
+
+Pure Python has no atomic read-modify-write on shared memory, so the table exists only where the
+C kernels do; without them (``available() is False``) a client reaches the same objects through
+the daemon, which changes the table on its behalf (its proxy bit).
+"""
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from ._backend import BACKEND
+from .errors import HandleError, InvalidArgument, Reason, StateError
+
+SLOT_NBYTES = 64
+SESSION_BITS = 62  # bits 0..61: one per session holding a bit
+PROXY_BIT = 62  # the daemon, holding on behalf of clients without a bit
+HANDOFF_BIT = 63
+HANDOFF = 1 << HANDOFF_BIT
+
+LOANED, COMMITTED, HELD = 1, 2, 3  # slot states
+
+# The slot's fields, as the numpy view of ``columns`` names them (little-endian u64 each).
+SLOT_DTYPE = np.dtype([
+    ("holders", "<u8"), ("generation", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"),
+    ("state", "<u8"), ("deadline_ns", "<u8"), ("owner", "<u8"), ("reserved", "<u8"),
+])
+assert SLOT_DTYPE.itemsize == SLOT_NBYTES
+
+
+class SlotStatus(enum.IntEnum):
+    OK = 0
+    STALE = 1
+    NOT_COMMITTED = 2
+    MISMATCH = 3
+    ALREADY = 4
+    NOT_HELD = 5
+    UNKNOWN = 6
+
+
+def available() -> bool:
+    """Whether this process can change an object table itself (the C kernels are loaded)."""
+    return BACKEND == "c"
+
+
+def table_nbytes(nslots: int) -> int:
+    return nslots * SLOT_NBYTES
+
+
+class ObjectTable:
+    """A mapped control segment of ``nslots`` slots; thread-safe (every change is atomic)."""
+
+    def __init__(self, memory: memoryview, nslots: int):
+        if not available():
+            raise StateError("the object table needs the C kernels (SHMTRANSPORT_BACKEND=c)")
+        if memory.nbytes < table_nbytes(nslots) or memory.readonly:
+            raise InvalidArgument(f"an object table of {nslots} slots needs {table_nbytes(nslots)} writable bytes")
+        from ._native import ffi, lib
+
+        self._ffi, self._lib = ffi, lib
+        self.nslots = nslots
+        self._memory = memory
+        self._ptr = ffi.from_buffer("uint8_t[]", memory, require_writable=True)
+        self.columns = np.frombuffer(memory, dtype=SLOT_DTYPE, count=nslots)
+
+    def publish(self, index: int, offset: int, nbytes: int, bit: int) -> int:
+        """A new object in free slot ``index``, held by ``bit``; its generation."""
+        out = self._ffi.new("uint64_t[1]")
+        self._ok(self._lib.shmt_slot_publish(self._ptr, self.nslots, index, offset, nbytes, bit, out), index)
+        return int(out[0])
+
+    def commit(self, index: int, generation: int, bit: int, deadline_ns: int, hold: bool = False) -> None:
+        self._ok(self._lib.shmt_slot_commit(self._ptr, self.nslots, index, generation, bit, deadline_ns, hold), index)
+
+    def acquire(self, index: int, generation: int, offset: int, nbytes: int, bit: int) -> SlotStatus:
+        return self._status(self._lib.shmt_slot_acquire(self._ptr, self.nslots, index, generation, offset, nbytes, bit))
+
+    def release(self, index: int, generation: int, bit: int, cancel_handoff: bool = False) -> int:
+        """Drop ``bit``; the holders left (0: the object is dead, its slot and bytes reusable)."""
+        out = self._ffi.new("uint64_t[1]")
+        rc = self._lib.shmt_slot_release(self._ptr, self.nslots, index, generation, bit, cancel_handoff, out)
+        self._ok(rc, index)
+        return int(out[0])
+
+    def expire(self, index: int, now_ns: int) -> bool | None:
+        """Drop an ended hand-off window's bit: True when that freed the object, False when others
+        still hold it, None when there was nothing to expire."""
+        out = self._ffi.new("int32_t[1]")
+        rc = self._status(self._lib.shmt_slot_expire(self._ptr, self.nslots, index, now_ns, out))
+        return bool(out[0]) if rc is SlotStatus.OK else None
+
+    def clear_bit(self, bit: int, first: int = 0, last: int | None = None) -> tuple[int, int, int]:
+        """Drop ``bit`` from slots [first, last): (slots it held, objects that died, their bytes)."""
+        out = self._ffi.new("uint64_t[3]")
+        last = self.nslots if last is None else last
+        rc = self._lib.shmt_slots_clear_bit(self._ptr, self.nslots, first, last, bit, out, 3)
+        if rc != 0:
+            raise InvalidArgument(f"clear_bit({bit}, {first}, {last}) outside a table of {self.nslots} slots")
+        return int(out[0]), int(out[1]), int(out[2])
+
+    def holders(self, index: int) -> int:
+        return int(self.columns["holders"][index])
+
+    def close(self) -> None:
+        """Drop this table's references to the mapping (so it can be unmapped)."""
+        self.columns = None
+        self._ptr = None
+        self._memory = None
+
+    def _status(self, rc: int) -> SlotStatus:
+        if rc < 0:
+            raise InvalidArgument(f"object-table call refused its arguments (code {rc})")
+        return SlotStatus(rc)
+
+    def _ok(self, rc: int, index: int) -> None:
+        status = self._status(rc)
+        if status is not SlotStatus.OK:
+            raise_for(status, index)
+
+
+def raise_for(status: SlotStatus, index: int, what: str = "") -> None:
+    """The typed error a refused slot operation means to the caller."""
+    where = f"object slot {index}" + (f" ({what})" if what else "")
+    if status is SlotStatus.STALE:
+        raise HandleError(f"stale handle: {where} was freed or reused", Reason.STALE_HANDLE)
+    if status is SlotStatus.UNKNOWN:
+        raise HandleError(f"no such object: {where} never had that generation")
+    if status is SlotStatus.NOT_COMMITTED:
+        raise StateError(f"{where} is still a loan: it was not committed")
+    if status is SlotStatus.MISMATCH:
+        raise HandleError(f"handle does not match {where}: other offset or size", Reason.OUT_OF_BOUNDS)
+    if status is SlotStatus.ALREADY:
+        raise StateError(f"{where}: already held or already committed")
+    raise StateError(f"{where}: not held by this client")

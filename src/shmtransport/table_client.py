@@ -1,0 +1,269 @@
+"""A client's side of its tenant's object table: objects loaned, committed, acquired and released
+in shared memory alone (``objtable``), with space granted by the daemon in large pieces.
+
+A producer places objects in its grants itself (a best-fit ``Allocator`` per grant, and the
+grant's slots). An object's bytes come back to the producer when its slot's holders reach zero,
+whoever dropped the last hold: the producer notices that lazily (``collect``), when it needs
+space. Grants it no longer needs go back to the daemon, which frees them once every object in
+them died; so do all of them when the session ends, which is what lets a handed-off object
+outlive its producer.
+
+A consumer holds an object with its session's bit; several leases on one object in one client
+share the bit (counted here), so the last of them clears it. (A client is a producer or a
+consumer, never both: a producer's bit on an object is its reference, a consumer's its leases.)
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable
+
+from .allocator import PAGE, Allocator
+from .errors import InvalidArgument, Reason, ResourceExhausted, StateError
+from .objtable import ObjectTable, SlotStatus, raise_for
+from .v1 import daemon_pb2 as pb
+
+SLOT_PER_NBYTES = 4096  # a standard grant carries one slot per this many bytes
+MIN_GRANT_NBYTES = 64 * 1024
+MAX_GRANT_NBYTES = 64 << 20
+KEEP_GRANTS = 2  # standard grants kept when empty (the rest go back to the daemon)
+
+GrantCall = Callable[[int, int, list, int], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms)
+GRANT_POLL_S = 0.05  # a producer waiting for space looks at its own grants this often
+
+
+@dataclasses.dataclass
+class _Grant:
+    grant_id: int
+    offset: int
+    nbytes: int
+    allocator: Allocator
+    free_slots: collections.deque
+    nslots: int
+    oversized: bool  # made for one object larger than a standard grant
+
+    @property
+    def empty(self) -> bool:
+        return len(self.free_slots) == self.nslots
+
+
+@dataclasses.dataclass
+class Placed:
+    """One object this producer placed: where it is, and whether this producer still holds it."""
+
+    slot: int
+    generation: int
+    offset: int  # arena offset
+    nbytes: int
+    grant: _Grant
+    local_offset: int
+    held: bool = True  # this producer's bit is set
+    committed: bool = False
+    hold: bool = False  # committed with hold_ms: the hand-off bit stays until the hold ends
+
+
+class TableClient:
+    """Not thread-safe by itself: the owning client serializes calls with its lock."""
+
+    def __init__(self, table: ObjectTable, bit: int, arena_nbytes: int, handoff_window_ms: int,
+                 max_hold_ms: int, grant: GrantCall):
+        # (max_hold_ms is the daemon's; the table cannot check it, so the client does.)
+        """``grant(nbytes, nslots, give_back, wait_ms)``: the daemon's Grant RPC."""
+        self.table = table
+        self.bit = bit
+        self.handoff_window_ns = handoff_window_ms * 1_000_000
+        self.max_hold_ms = max_hold_ms
+        self._grant_rpc = grant
+        self.standard_grant_nbytes = min(arena_nbytes, max(MIN_GRANT_NBYTES, min(MAX_GRANT_NBYTES, arena_nbytes // 16)))
+        self.standard_grant_nbytes = self.standard_grant_nbytes // PAGE * PAGE
+        self._grants: list[_Grant] = []
+        self._placed: dict[int, Placed] = {}  # slot -> object whose bytes are this producer's
+        self._released: dict[int, Placed] = {}  # of those, the ones others still hold
+        self._leases: dict[tuple[int, int], int] = {}  # (slot, generation) -> leases in this client
+        self.give_back: list[int] = []  # grant ids to return with the next Grant call
+
+    # -- producer --------------------------------------------------------------------------------
+    def place(self, sizes: list[int], wait_s: float = 0.0) -> list[Placed]:
+        """Loans for every size, all or nothing; waits up to ``wait_s`` for space (back-pressure:
+        freed by this producer's consumers or by other producers) before ResourceExhausted."""
+        placed: list[Placed] = []
+        deadline = time.monotonic() + wait_s
+        try:
+            for nbytes in sizes:
+                placed.append(self._place_one(nbytes, deadline))
+        except BaseException:
+            for obj in placed:
+                self.release_own(obj, cancel_handoff=True)
+            raise
+        return placed
+
+    def _place_one(self, nbytes: int, deadline: float) -> Placed:
+        while True:
+            obj = self._try_place(nbytes)
+            if obj is None:
+                self.collect()
+                obj = self._try_place(nbytes)
+            if obj is not None:
+                return obj
+            # The daemon waits for space others free; this producer's own consumers free space in
+            # its grants without telling the daemon, so it looks again between short waits.
+            remaining = deadline - time.monotonic()
+            try:
+                self._new_grant(nbytes, int(max(0.0, min(remaining, GRANT_POLL_S)) * 1000))
+            except ResourceExhausted:
+                if self._give_back_empty():
+                    continue  # this producer's own idle grants were in the way
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            obj = self._try_place(nbytes)
+            if obj is None:  # pragma: no cover - a fresh grant always fits its first object
+                raise ResourceExhausted(f"no room for {nbytes} bytes in a fresh grant", Reason.ARENA_FULL)
+            return obj
+
+    def _give_back_empty(self) -> bool:
+        """Queue every empty grant for return (with the next Grant call); whether there was one."""
+        empty = [grant for grant in self._grants if grant.empty]
+        for grant in empty:
+            self._grants.remove(grant)
+            self.give_back.append(grant.grant_id)
+        return bool(empty)
+
+    def _try_place(self, nbytes: int) -> Placed | None:
+        for grant in reversed(self._grants):
+            if not grant.free_slots or grant.allocator.largest_free_nbytes < nbytes:
+                continue
+            try:
+                local = grant.allocator.allocate(nbytes)
+            except ResourceExhausted:
+                continue  # alignment can make the largest extent too small
+            slot = grant.free_slots.popleft()
+            try:
+                gen = self.table.publish(slot, grant.offset + local, nbytes, self.bit)
+            except BaseException:
+                grant.free_slots.appendleft(slot)
+                grant.allocator.free(local)
+                raise
+            obj = Placed(slot, gen, grant.offset + local, nbytes, grant, local)
+            self._placed[slot] = obj
+            return obj
+        return None
+
+    def _new_grant(self, nbytes: int, wait_ms: int) -> None:
+        oversized = nbytes > self.standard_grant_nbytes
+        size = -(-nbytes // PAGE) * PAGE if oversized else self.standard_grant_nbytes
+        nslots = 64 if oversized else max(64, size // SLOT_PER_NBYTES)
+        give_back, self.give_back = self.give_back, []
+        try:
+            response = self._grant_rpc(size, nslots, give_back, wait_ms)
+        except BaseException:
+            self.give_back = give_back + self.give_back
+            raise
+        slots = collections.deque(range(response.first_slot, response.first_slot + response.nslots))
+        self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes,
+                                   Allocator(response.nbytes), slots, response.nslots, oversized))
+
+    def commit(self, obj: Placed, hold_ms: int = 0) -> None:
+        if hold_ms > self.max_hold_ms:
+            raise InvalidArgument(f"hold_ms={hold_ms} exceeds the maximum {self.max_hold_ms}")
+        if obj.committed:
+            raise StateError(f"object in slot {obj.slot} is already committed")
+        window_ns = hold_ms * 1_000_000 if hold_ms else self.handoff_window_ns
+        self.table.commit(obj.slot, obj.generation, self.bit, time.monotonic_ns() + window_ns, hold=bool(hold_ms))
+        obj.committed, obj.hold = True, bool(hold_ms)
+
+    def owned(self, slot: int, generation: int) -> Placed | None:
+        obj = self._placed.get(slot)
+        return obj if obj is not None and obj.generation == generation else None
+
+    def release_own(self, obj: Placed, cancel_handoff: bool) -> None:
+        """Drop this producer's reference; the bytes come back now if nobody else holds them.
+        ``cancel_handoff``: an explicit release (the object lives on only for consumers that
+        already hold it); closing keeps the hand-off bit, so a consumer may still take it."""
+        if not obj.held:
+            raise StateError(f"object in slot {obj.slot} already released", Reason.DOUBLE_RELEASE)
+        cancel = not obj.committed or (cancel_handoff and not obj.hold)
+        remaining = self.table.release(obj.slot, obj.generation, self.bit, cancel)
+        obj.held = False
+        if remaining == 0:
+            self._reclaim(obj)
+        else:
+            self._released[obj.slot] = obj
+
+    def collect(self) -> int:
+        """Take back the bytes of every placed object that died; return empty grants beyond the
+        ones kept. The bytes reclaimed."""
+        holders = self.table.columns["holders"]
+        freed = 0
+        for obj in list(self._released.values()):
+            if holders[obj.slot] == 0:
+                freed += obj.nbytes
+                self._reclaim(obj)
+        kept = 0
+        for grant in reversed(list(self._grants)):
+            if not grant.empty:
+                continue
+            if grant.oversized or kept >= KEEP_GRANTS:
+                self._grants.remove(grant)
+                self.give_back.append(grant.grant_id)
+            else:
+                kept += 1
+        return freed
+
+    @property
+    def has_surplus(self) -> bool:
+        """Whether ``collect`` may have grants to return (the owner then collects in the background)."""
+        if self.give_back:
+            return True
+        return bool(self._released) and (len(self._grants) > KEEP_GRANTS or any(g.oversized for g in self._grants))
+
+    def _reclaim(self, obj: Placed) -> None:
+        del self._placed[obj.slot]
+        self._released.pop(obj.slot, None)
+        obj.grant.allocator.free(obj.local_offset)
+        obj.grant.free_slots.append(obj.slot)  # FIFO reuse: a slot's next generation comes late
+
+    # -- consumer --------------------------------------------------------------------------------
+    def acquire(self, slot: int, generation: int, offset: int, nbytes: int) -> None:
+        key = (slot, generation)
+        count = self._leases.get(key, 0)
+        if count == 0:
+            status = self.table.acquire(slot, generation, offset, nbytes, self.bit)
+            if status is not SlotStatus.OK:
+                raise_for(status, slot)
+        self._leases[key] = count + 1
+
+    def release_lease(self, slot: int, generation: int) -> None:
+        key = (slot, generation)
+        count = self._leases.get(key, 0)
+        if count == 0:
+            raise StateError(f"object slot {slot}: no lease of this client", Reason.DOUBLE_RELEASE)
+        if count > 1:
+            self._leases[key] = count - 1
+            return
+        del self._leases[key]
+        self.table.release(slot, generation, self.bit)
+
+    @property
+    def lease_count(self) -> int:
+        return sum(self._leases.values())
+
+    # -- the end ---------------------------------------------------------------------------------
+    def give_back_all(self) -> list[int]:
+        """Every grant, for returning at close (objects still alive keep theirs orphaned)."""
+        ids = self.give_back + [grant.grant_id for grant in self._grants]
+        self.give_back, self._grants = [], []
+        self._placed.clear()
+        self._released.clear()
+        return ids
+
+    def release_all(self) -> None:
+        """Drop every hold of this client (close): leases, and producer references (committed
+        objects keep their hand-off bit, so a consumer may still take them)."""
+        for slot, generation in list(self._leases):
+            self._leases[(slot, generation)] = 1
+            self.release_lease(slot, generation)
+        for obj in list(self._placed.values()):
+            if obj.held:
+                self.release_own(obj, cancel_handoff=False)

@@ -1,0 +1,185 @@
+"""Ownership as users expect it, under either backend (the object table with the C kernels, the
+daemon's registry without): a committed object outlives its producer's close or death until a
+first consumer takes it, or until the hand-off window passes (then it is reclaimed and counted);
+an explicit release ends the hand-off.
+
+The state machine drives real producers and consumers against a real daemon and checks every
+outcome, and the daemon's live objects, against a model.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from shmtransport.client import Consumer, Producer
+from shmtransport.errors import HandleError
+from shmtransport.testing import BlockingChild, run_in_child, start_daemon, stop_daemon, wait_until
+
+TIMEOUT_S = 30
+
+
+class Obj:
+    def __init__(self, handle, data, producer):
+        self.handle, self.data, self.producer = handle, data, producer
+        self.producer_holds = True
+        self.handoff = True
+        self.leases = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.producer_holds or self.handoff or self.leases > 0
+
+
+class HandoffMachine(RuleBasedStateMachine):
+    objects = Bundle("objects")
+    leases = Bundle("leases")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.daemon = start_daemon(arena_nbytes=4 << 20, handoff_window_ms=600_000)
+        self.producers = [Producer(self.daemon.socket_path, timeout_s=TIMEOUT_S) for _ in range(2)]
+        self.consumers = [Consumer(self.daemon.socket_path, timeout_s=TIMEOUT_S) for _ in range(2)]
+        self.all: list[Obj] = []
+        self.records: list[dict] = []
+        self.seed = 0
+
+    def teardown(self) -> None:
+        for record in self.records:
+            if record["live"]:
+                record["lease"].release()
+        self.records.clear()  # closed consumers' leases hold views of the arena until dropped
+        for client in self.producers + self.consumers:
+            client.close()
+        stop_daemon(self.daemon)
+
+    @rule(target=objects, p=st.integers(0, 1), n=st.integers(1, 5000))
+    def put(self, p, n):
+        self.seed += 1
+        data = np.random.default_rng(self.seed).integers(0, 255, n, dtype=np.uint8)
+        obj = Obj(self.producers[p].put(data), data, p)
+        self.all.append(obj)
+        return obj
+
+    @rule(target=leases, obj=objects, c=st.integers(0, 1))
+    def acquire(self, obj, c):
+        if not obj.alive:
+            with pytest.raises(HandleError):
+                self.consumers[c].acquire(obj.handle)
+            return None
+        lease = self.consumers[c].acquire(obj.handle)
+        assert np.array_equal(lease.array, obj.data)
+        obj.leases += 1
+        obj.handoff = False  # the first acquire takes the hand-off over
+        record = {"lease": lease, "obj": obj, "consumer": self.consumers[c], "live": True}
+        self.records.append(record)
+        return record
+
+    @rule(record=consumes(leases))
+    def release_lease(self, record):
+        if record is not None and record["live"]:
+            record["lease"].release()
+            record["obj"].leases -= 1
+            record["live"] = False
+
+    @rule(obj=objects)
+    def producer_releases(self, obj):
+        if obj.producer_holds and obj.producer is not None:
+            self.producers[obj.producer].release(obj.handle)
+            obj.producer_holds = False
+            obj.handoff = False
+
+    @rule(p=st.integers(0, 1))
+    def producer_closes(self, p):
+        self.producers[p].close()
+        for obj in self.all:
+            if obj.producer == p:
+                obj.producer, obj.producer_holds = None, False  # the hand-off bit stays
+        self.producers[p] = Producer(self.daemon.socket_path, timeout_s=TIMEOUT_S)
+
+    @rule(c=st.integers(0, 1))
+    def consumer_closes(self, c):
+        consumer = self.consumers[c]
+        consumer.close()
+        self.consumers[c] = Consumer(self.daemon.socket_path, timeout_s=TIMEOUT_S)
+        for record in self.records:
+            if record["consumer"] is consumer and record["live"]:
+                record["obj"].leases -= 1  # closing released it
+                record["live"] = False
+
+    @invariant()
+    def the_daemon_holds_exactly_the_live_objects(self):
+        for client in self.producers + self.consumers:
+            client.flush(strict=False)
+        expected = sum(obj.alive for obj in self.all)
+        wait_until(lambda: self.daemon.stat().live_objects == expected, timeout_s=5,
+                   what=f"{expected} live objects")
+
+
+HandoffMachine.TestCase.settings = settings(max_examples=12, stateful_step_count=25, deadline=None)
+test_handoff_state_machine = HandoffMachine.TestCase
+
+
+# -- the hand-off window and a producer's death ---------------------------------------------------
+def _put_and_block(conn, socket_path, data):
+    producer = Producer(socket_path, timeout_s=TIMEOUT_S)
+    conn.send(producer.put(data).to_bytes())
+    conn.recv()  # killed here
+
+
+def _acquire(socket_path, handle_bytes):
+    from shmtransport.client import Handle
+
+    with Consumer(socket_path, timeout_s=TIMEOUT_S) as consumer:
+        with consumer.acquire(Handle.from_bytes(handle_bytes)) as lease:
+            return lease.array.copy()
+
+
+def test_an_object_outlives_its_killed_producer_until_a_consumer_takes_it(daemon):
+    data = np.arange(10_000, dtype=np.uint8)
+    with BlockingChild(_put_and_block, daemon.socket_path, data) as child:
+        handle_bytes = child.recv()
+        child.kill()
+    wait_until(lambda: daemon.stat().sessions_total == 1 and len(daemon.stat().clients) == 0,
+               timeout_s=5, what="the producer's session ended")
+    assert daemon.stat().live_objects == 1
+    assert np.array_equal(run_in_child(_acquire, daemon.socket_path, handle_bytes, timeout_s=TIMEOUT_S), data)
+    s = daemon.stat()
+    assert (s.live_objects, s.used_nbytes, s.reclaimed_handoff_objects) == (0, 0, 0)
+
+
+def test_an_object_nobody_acquires_is_reclaimed_when_the_window_passes(make_daemon):
+    daemon = make_daemon(handoff_window_ms=300)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.ones(5000, np.uint8))
+    assert daemon.stat().live_objects == 1
+    s = wait_until(lambda: daemon.stat().reclaimed_handoff_objects == 1 and daemon.stat(), timeout_s=5,
+                   what="hand-off window passed")
+    assert (s.live_objects, s.used_nbytes, s.reclaimed_handoff_nbytes) == (0, 0, 5000)
+    with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer, pytest.raises(HandleError):
+        consumer.acquire(handle)
+
+
+def test_an_explicit_release_ends_the_handoff_at_once(daemon):
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.ones(100, np.uint8))
+        producer.release(handle)
+        producer.flush()
+        assert daemon.stat().live_objects == 0
+    assert daemon.stat().reclaimed_handoff_objects == 0
+
+
+def test_a_hold_survives_the_first_acquire_and_the_producers_release(make_daemon):
+    daemon = make_daemon()
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
+            daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        handle = producer.put(np.ones(100, np.uint8), hold_ms=400)
+        consumer.acquire(handle).release()
+        producer.release(handle)
+        consumer.flush()
+        producer.flush()
+        consumer.acquire(handle).release()  # a late second consumer of a fan-out
+        consumer.flush()
+        wait_until(lambda: daemon.stat().live_objects == 0, timeout_s=5, what="the hold ended")

@@ -1,0 +1,196 @@
+"""The object table's slot state machine: the C kernels against a model of docs/objects.md.
+
+Hypothesis drives random sequences of publish, commit, acquire, release, expire and session
+clearing on a real table in shared memory and checks every status and every holders word against
+the model. (The table needs the C kernels: under the pure-Python backend the same semantics are
+checked through the daemon by tests/test_handoff.py.)
+"""
+from __future__ import annotations
+
+import mmap
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from shmtransport import objtable
+from shmtransport.errors import HandleError, InvalidArgument, StateError
+from shmtransport.objtable import HANDOFF, PROXY_BIT, ObjectTable, SlotStatus
+
+pytestmark = pytest.mark.skipif(not objtable.available(), reason="the object table needs the C kernels")
+
+NSLOTS = 4
+BITS = st.sampled_from([0, 1, 2, 61, PROXY_BIT])
+SESSION = st.sampled_from([0, 1, 2, 61])
+SLOT = st.integers(0, NSLOTS - 1)
+
+
+def _table(nslots: int = NSLOTS) -> tuple[mmap.mmap, ObjectTable]:
+    memory = mmap.mmap(-1, objtable.table_nbytes(nslots))
+    return memory, ObjectTable(memoryview(memory), nslots)
+
+
+class Slot:
+    def __init__(self) -> None:
+        self.generation = 0
+        self.holders: set[int] = set()
+        self.handoff = False
+        self.state = 0
+        self.offset = self.nbytes = 0
+        self.deadline = 0
+
+    @property
+    def word(self) -> int:
+        return sum(1 << b for b in self.holders) | (HANDOFF if self.handoff else 0)
+
+
+class SlotMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory, self.table = _table()
+        self.model = [Slot() for _ in range(NSLOTS)]
+        self.now = 1_000
+
+    def teardown(self) -> None:
+        self.table.close()
+        self.memory.close()
+
+    @rule(slot=SLOT, bit=SESSION, nbytes=st.integers(1, 1 << 20))
+    def publish(self, slot, bit, nbytes):
+        m = self.model[slot]
+        if m.word:
+            with pytest.raises(StateError):
+                self.table.publish(slot, 4096 * slot, nbytes, bit)
+            return
+        assert self.table.publish(slot, 4096 * slot, nbytes, bit) == m.generation + 1
+        m.generation += 1
+        m.holders, m.handoff, m.state = {bit}, False, objtable.LOANED
+        m.offset, m.nbytes = 4096 * slot, nbytes
+
+    @rule(slot=SLOT, bit=SESSION, window=st.integers(0, 100), hold=st.booleans(), stale=st.booleans())
+    def commit(self, slot, bit, window, hold, stale):
+        m = self.model[slot]
+        generation = max(m.generation - 1, 0) if stale else m.generation
+        ok_holder = bit in m.holders and generation == m.generation
+        if not ok_holder or m.state != objtable.LOANED:
+            with pytest.raises(StateError):
+                self.table.commit(slot, generation, bit, self.now + window, hold)
+            return
+        self.table.commit(slot, generation, bit, self.now + window, hold)
+        m.state = objtable.HELD if hold else objtable.COMMITTED
+        m.handoff, m.deadline = True, self.now + window
+
+    @rule(slot=SLOT, bit=BITS, stale=st.booleans(), wrong_size=st.booleans())
+    def acquire(self, slot, bit, stale, wrong_size):
+        m = self.model[slot]
+        generation = max(m.generation - 1, 0) if stale else m.generation
+        nbytes = m.nbytes + 1 if wrong_size else m.nbytes
+        status = self.table.acquire(slot, generation, m.offset, nbytes, bit)
+        if generation == 0 or generation > m.generation:
+            expected = SlotStatus.UNKNOWN
+        elif generation != m.generation or not m.word:
+            expected = SlotStatus.STALE
+        elif bit in m.holders:
+            expected = SlotStatus.ALREADY
+        elif m.state == objtable.LOANED:
+            expected = SlotStatus.NOT_COMMITTED
+        elif wrong_size:
+            expected = SlotStatus.MISMATCH
+        else:
+            expected = SlotStatus.OK
+            m.holders.add(bit)
+            if m.state == objtable.COMMITTED:
+                m.handoff = False
+        assert status is expected
+
+    @rule(slot=SLOT, bit=BITS, cancel=st.booleans())
+    def release(self, slot, bit, cancel):
+        m = self.model[slot]
+        if bit not in m.holders:
+            with pytest.raises(StateError):
+                self.table.release(slot, m.generation, bit, cancel)
+            return
+        m.holders.discard(bit)
+        if cancel:
+            m.handoff = False
+        assert self.table.release(slot, m.generation, bit, cancel) == m.word
+
+    @rule(slot=SLOT, advance=st.integers(0, 60))
+    def expire(self, slot, advance):
+        self.now += advance
+        m = self.model[slot]
+        result = self.table.expire(slot, self.now)
+        if not m.handoff:
+            assert result is None
+        elif m.deadline > self.now:
+            assert result is None
+        else:
+            m.handoff = False
+            assert result is (not m.holders)
+
+    @rule(bit=BITS)
+    def session_ends(self, bit):
+        held = sum(bit in m.holders for m in self.model)
+        died = [m for m in self.model if m.holders == {bit} and not m.handoff]
+        for m in self.model:
+            m.holders.discard(bit)
+        assert self.table.clear_bit(bit) == (held, len(died), sum(m.nbytes for m in died))
+
+    @precondition(lambda self: any(m.word == 0 and m.generation for m in self.model))
+    @rule(data=st.data())
+    def a_dead_generation_stays_dead(self, data):
+        slot = data.draw(st.sampled_from([i for i, m in enumerate(self.model) if m.word == 0 and m.generation]))
+        m = self.model[slot]
+        assert self.table.acquire(slot, m.generation, m.offset, m.nbytes, 5) is SlotStatus.STALE
+        assert self.table.acquire(slot, m.generation + 1, m.offset, m.nbytes, 5) is SlotStatus.UNKNOWN
+
+    @invariant()
+    def words_match_the_model(self):
+        for index, m in enumerate(self.model):
+            assert self.table.holders(index) == m.word, index
+            assert int(self.table.columns["generation"][index]) == m.generation
+
+
+SlotMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_slot_state_machine = SlotMachine.TestCase
+
+
+def test_every_kernel_refuses_a_slot_outside_the_table():
+    memory, table = _table()
+    try:
+        with pytest.raises(InvalidArgument):
+            table.publish(NSLOTS, 0, 1, 0)
+        with pytest.raises(InvalidArgument):
+            table.acquire(NSLOTS, 1, 0, 1, 0)
+        with pytest.raises(InvalidArgument):
+            table.release(NSLOTS, 1, 0)
+        with pytest.raises(InvalidArgument):
+            table.expire(NSLOTS, 0)
+        with pytest.raises(InvalidArgument):
+            table.clear_bit(0, 0, NSLOTS + 1)
+        with pytest.raises(InvalidArgument):
+            table.publish(0, 0, 1, PROXY_BIT)  # the proxy bit never owns an object
+    finally:
+        table.close()
+        memory.close()
+
+
+def test_a_stale_acquire_never_keeps_a_bit_on_the_reused_slot():
+    """ABA: the handle's generation was freed and the slot reused; the acquire is refused and
+    leaves the new object's holders exactly as they were."""
+    memory, table = _table()
+    try:
+        old = table.publish(0, 0, 64, 0)
+        table.commit(0, old, 0, 0)
+        assert table.release(0, old, 0, cancel_handoff=True) == 0
+        new = table.publish(0, 128, 64, 1)
+        table.commit(0, new, 1, 10**18)
+        before = table.holders(0)
+        assert table.acquire(0, old, 0, 64, 2) is SlotStatus.STALE
+        assert table.holders(0) == before
+        with pytest.raises(HandleError):
+            objtable.raise_for(SlotStatus.STALE, 0)
+    finally:
+        table.close()
+        memory.close()
