@@ -5,11 +5,13 @@
 A controller (this process) runs a real daemon process (``python -m shmtransport daemon``) and a
 small pool of long-lived ``spawn`` worker processes (producers and consumers). Each iteration moves
 one tensor of random size: a producer loans, writes half, writes the rest, commits with a digest
-(commit by handoff) and hands the handle over; a consumer acquires, verifies the digest
+and hands the handle over; a consumer acquires, verifies the digest
 (``Lease.verify``) and compares the bytes with what the seed says they must be, and releases; the
 producer then releases its reference. Workers report the phase they reached over their pipe and
 wait there when the controller chose that phase as the kill point; the controller then SIGKILLs the
-chosen party (producer, consumer or daemon) and lets the rest go on. Killed workers are respawned
+chosen party (producer, consumer or daemon) and lets the rest go on. Kill points lie between the
+client calls and, with the object table, between the steps inside its grant, publish, commit,
+acquire and release sequences (``table_client.fault_point``). Killed workers are respawned
 (only those), a killed daemon is restarted on the same socket with the same name prefix (its start
 sweeps the dead instance's segment).
 
@@ -19,8 +21,9 @@ Checked after every iteration and at the end:
   expected bytes, or a typed ``ShmTransportError`` (``IdentityMismatch`` counts as a failure:
   it would mean stale or foreign bytes), within its deadline (a missed deadline is a hang);
 - no worker dies on its own and none raises anything but a ``ShmTransportError``;
-- the daemon settles to 0 live objects and 0 live leases (dead sessions are reclaimed, leases
-  expire by TTL), and /dev/shm holds nothing of the prefix but the live daemon's arena;
+- the daemon settles to 0 live objects and 0 live leases (dead sessions are reclaimed, objects a
+  killed producer handed off are reclaimed when the short hand-off window passes), and /dev/shm
+  holds nothing of the prefix but the live daemon's arena and object table;
 - at the end: the last daemon instance's VmRSS and fd count are back to its baseline (with a small
   slack), and after a clean stop no /dev/shm entry of the prefix remains.
 
@@ -46,13 +49,19 @@ from typing import Any
 
 SPAWN = multiprocessing.get_context("spawn")
 
-PRODUCER_POINTS = ("before_loan", "after_loan", "mid_copy", "after_commit", "before_release", "after_release")
-CONSUMER_POINTS = ("before_acquire", "after_acquire", "after_verify", "after_release")
+# Between the client calls, and ("t_*", see shmtransport.table_client) between the steps inside
+# the object table's sequences: grant, publish, commit, acquire and release.
+TABLE_PRODUCER_POINTS = ("t_after_grant", "t_after_publish", "t_before_commit", "t_after_commit", "t_after_release")
+TABLE_CONSUMER_POINTS = ("t_after_acquire", "t_after_release")
+PRODUCER_POINTS = ("before_loan", "after_loan", "mid_copy", "after_commit", "before_release", "after_release",
+                   *TABLE_PRODUCER_POINTS)
+CONSUMER_POINTS = ("before_acquire", "after_acquire", "after_verify", "after_release", *TABLE_CONSUMER_POINTS)
 CONSUMER_PHASES = tuple("c_" + p for p in CONSUMER_POINTS)
 POINTS = PRODUCER_POINTS + CONSUMER_PHASES
 # "stall": the consumer stops (alive, lease held) at c_after_acquire until its lease outlives its
-# TTL and is quarantined; the producer puts more bytes meanwhile, which must land elsewhere: when
-# the consumer goes on, its bytes are still the right ones.
+# TTL and is quarantined (a lease in the object table has no TTL: it is simply held); the producer
+# puts more bytes meanwhile, which must land elsewhere: when the consumer goes on, its bytes are
+# still the right ones.
 PARTIES = ("producer", "consumer", "daemon", "stall", "none")
 PARTY_WEIGHTS = (0.3, 0.3, 0.1, 0.02, 0.28)
 
@@ -81,11 +90,14 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import numpy as np
 
+    from . import table_client
     from .client import Consumer, Handle, Producer
     from .errors import IdentityMismatch, Reason, ShmTransportError, Unavailable
 
     client = None
     last_handle = None
+    pausing_at: list[str | None] = [None]  # the current command's kill point, for the table's steps
+    table_client.fault_point = lambda step: phase(step if role == "producer" else "c_" + step, pausing_at[0])
 
     def phase(name: str, pause_at: str | None) -> None:
         if name == pause_at:
@@ -111,6 +123,7 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
         try:
             if client is None:
                 client = connect()
+            pausing_at[0] = msg[-1] if cmd in ("put", "release", "get") else None
             if cmd == "put":
                 _, seed, nbytes, pause_at = msg
                 data = expected_bytes(seed, nbytes)
@@ -177,7 +190,7 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                 conn.send(("ok", known_bug))
             elif cmd == "stat":
                 s = client.stat()
-                conn.send(("stat", s.live_objects, s.live_leases, s.quarantined_leases))
+                conn.send(("stat", s.live_objects, s.live_leases, s.quarantined_leases, s.table_objects))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
         except ShmTransportError as exc:
@@ -249,7 +262,7 @@ class ChildDied(RuntimeError):
 # -- the daemon process ----------------------------------------------------------------------------
 class DaemonProcess:
     def __init__(self, socket_path: str, prefix: str, arena: str, lease_ttl_ms: int, log_path: str,
-                 extra_args: tuple[str, ...] = (), argv_prefix: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), argv_prefix: tuple[str, ...] = (), handoff_window_ms: int = 1000):
         """``extra_args``: more CLI options (e.g. ``--quota-leases``); ``argv_prefix``: a wrapper
         command (e.g. ``prlimit --nofile=64:64 --``)."""
         self.extra_args = tuple(extra_args)
@@ -258,6 +271,9 @@ class DaemonProcess:
         self.prefix = prefix
         self.arena = arena
         self.lease_ttl_ms = lease_ttl_ms
+        # Short, so an object handed off by a killed producer (nobody acquires it: the iteration
+        # moved on) is reclaimed well within the settle check.
+        self.handoff_window_ms = handoff_window_ms
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -268,7 +284,8 @@ class DaemonProcess:
             self.proc = subprocess.Popen(
                 [*self.argv_prefix, sys.executable, "-m", "shmtransport", "daemon", "--socket", self.socket_path,
                  "--arena-size", self.arena, "--name-prefix", self.prefix,
-                 "--lease-ttl-ms", str(self.lease_ttl_ms), "--log-level", "WARNING", *self.extra_args],
+                 "--lease-ttl-ms", str(self.lease_ttl_ms), "--handoff-window-ms", str(self.handoff_window_ms),
+                 "--log-level", "WARNING", *self.extra_args],
                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
             )
         self.starts += 1
@@ -524,14 +541,16 @@ class Chaos:
         state = None
         while time.monotonic() < deadline:
             state = self._daemon_state(other, quarantined=True)
-            if state == (1, 1, 1):
+            # (objects, leases, quarantined, in the table): a table lease has no TTL, it is held
+            if state in ((1, 1, 1, 0), (1, 1, 0, 1)):
                 break
             time.sleep(0.05)
-        if state != (1, 1, 1):
-            self._fail(f"stall: the stalled consumer's lease was not quarantined after its TTL "
-                       f"({self.lease_ttl_ms} ms): (objects, leases, quarantined) = {state}")
+        if state not in ((1, 1, 1, 0), (1, 1, 0, 1)):
+            self._fail(f"stall: the stalled consumer's lease was neither quarantined after its TTL "
+                       f"({self.lease_ttl_ms} ms) nor held in the object table: "
+                       f"(objects, leases, quarantined, in the table) = {state}")
             return
-        self.outcomes["stall:lease_quarantined"] += 1
+        self.outcomes["stall:lease_quarantined" if state[2] else "stall:lease_held_in_table"] += 1
         for _ in range(2):  # the first put may land elsewhere if the arena is fragmented
             answer = self._run(producer, ("put", self.rng.randrange(1 << 31), self._nbytes, None), None, "none",
                                p_idx, c_idx, [])
@@ -552,7 +571,7 @@ class Chaos:
             return None
         if answer[0] != "stat":
             return None
-        return tuple(answer[1:4] if quarantined else answer[1:3])
+        return tuple(answer[1:5] if quarantined else answer[1:3])
 
     def _check_settled(self) -> None:
         self.daemon.wait_ready()
@@ -566,8 +585,10 @@ class Chaos:
         if state != (0, 0):
             self._fail(f"daemon did not settle to 0 objects / 0 leases within {SETTLE_S} s: {state}")
         segs = shm_segments(self.prefix)
-        if len(segs) != 1:
-            self._fail(f"/dev/shm holds {segs} for prefix {self.prefix} (expected only the live arena)")
+        kinds = sorted(name.rsplit("-", 1)[-1] for name in segs)
+        if len({name.split("-")[1] for name in segs}) != 1 or kinds not in (["arena"], ["arena", "objects"]):
+            self._fail(f"/dev/shm holds {segs} for prefix {self.prefix} "
+                       "(expected only the live daemon's arena and object table)")
         # resource baseline of this daemon instance, taken once it is warm
         if self.instance_iterations == 5 and self.baseline is None:
             self.baseline = {"fds": self.daemon.fds(), "rss_kib": self.daemon.rss_kib(), "pid": self.daemon.pid}

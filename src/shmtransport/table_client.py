@@ -24,6 +24,16 @@ from .errors import InvalidArgument, Reason, ResourceExhausted, StateError
 from .objtable import ObjectTable, SlotStatus, raise_for
 from .v1 import daemon_pb2 as pb
 
+# Fault injection (the chaos harness): called with a step name between the steps of every
+# sequence below; a no-op unless a harness installs a hook in this process.
+fault_point: Callable[[str], None] | None = None
+
+
+def _step(name: str) -> None:
+    if fault_point is not None:
+        fault_point(name)
+
+
 SLOT_PER_NBYTES = 4096  # a standard grant carries one slot per this many bytes
 MIN_GRANT_NBYTES = 64 * 1024
 MAX_GRANT_NBYTES = 64 << 20
@@ -145,6 +155,7 @@ class TableClient:
                 grant.free_slots.appendleft(slot)
                 grant.allocator.free(local)
                 raise
+            _step("t_after_publish")
             obj = Placed(slot, gen, grant.offset + local, nbytes, grant, local)
             self._placed[slot] = obj
             return obj
@@ -160,6 +171,7 @@ class TableClient:
         except BaseException:
             self.give_back = give_back + self.give_back
             raise
+        _step("t_after_grant")
         slots = collections.deque(range(response.first_slot, response.first_slot + response.nslots))
         self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes,
                                    Allocator(response.nbytes), slots, response.nslots, oversized))
@@ -170,7 +182,9 @@ class TableClient:
         if obj.committed:
             raise StateError(f"object in slot {obj.slot} is already committed")
         window_ns = hold_ms * 1_000_000 if hold_ms else self.handoff_window_ns
+        _step("t_before_commit")
         self.table.commit(obj.slot, obj.generation, self.bit, time.monotonic_ns() + window_ns, hold=bool(hold_ms))
+        _step("t_after_commit")
         obj.committed, obj.hold = True, bool(hold_ms)
 
     def owned(self, slot: int, generation: int) -> Placed | None:
@@ -185,6 +199,7 @@ class TableClient:
             raise StateError(f"object in slot {obj.slot} already released", Reason.DOUBLE_RELEASE)
         cancel = not obj.committed or (cancel_handoff and not obj.hold)
         remaining = self.table.release(obj.slot, obj.generation, self.bit, cancel)
+        _step("t_after_release")
         obj.held = False
         if remaining == 0:
             self._reclaim(obj)
@@ -230,6 +245,7 @@ class TableClient:
         count = self._leases.get(key, 0)
         if count == 0:
             status = self.table.acquire(slot, generation, offset, nbytes, self.bit)
+            _step("t_after_acquire")
             if status is not SlotStatus.OK:
                 raise_for(status, slot)
         self._leases[key] = count + 1
@@ -244,6 +260,7 @@ class TableClient:
             return
         del self._leases[key]
         self.table.release(slot, generation, self.bit)
+        _step("t_after_release")
 
     @property
     def lease_count(self) -> int:
