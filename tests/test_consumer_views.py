@@ -32,15 +32,16 @@ SIZES = [pytest.param(SMALL, id="4KiB-copy"), pytest.param(LARGE, id="4MiB-windo
 assert SMALL * 4 < arena.PRIVATE_COPY_MAX_NBYTES <= LARGE * 4
 
 
-@pytest.fixture
-def unaligned(make_daemon):
-    """A daemon that places every object on a 64-byte boundary only, with a pad object first:
-    the objects of a test start inside a page (the window must cover the page range)."""
-    daemon = make_daemon(page_align_min_nbytes=1 << 30)
-    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
-        pad = producer.put(np.zeros(100, np.uint8))
-        yield daemon
-        producer.release(pad, wait=True)
+@pytest.fixture(params=["unaligned", "default"])
+def placement(request, make_daemon):
+    """(daemon, whether its objects start inside a page). ``unaligned``: the daemon's own allocator
+    places every object on a 64-byte boundary only, so an object after a pad starts inside a page
+    (the window must cover the page range); that is the RPC path (``object_slots=0``), as in the
+    object table producers place objects in their own grants. ``default``: the object table where
+    there is one."""
+    if request.param == "unaligned":
+        return make_daemon(page_align_min_nbytes=1 << 30, object_slots=0), True
+    return make_daemon(), False
 
 
 def _wait_leases(daemon, n: int) -> None:
@@ -107,24 +108,27 @@ def _in_place_on_the_shared_mapping_child(conn, socket_path: str, handle_bytes: 
 
 # -- in-place ops on lease tensors ----------------------------------------------------------------
 @pytest.mark.parametrize("n", SIZES)
-def test_in_place_ops_on_a_lease_tensor_stay_private_to_the_holder(unaligned, n):
+def test_in_place_ops_on_a_lease_tensor_stay_private_to_the_holder(placement, n):
+    daemon, unaligned = placement
     src = np.arange(n, dtype=np.float32)
-    with Producer(unaligned.socket_path, timeout_s=TIMEOUT_S) as producer:
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        pad = producer.put(np.zeros(100, np.uint8))
         handle = producer.put(src)
-        with BlockingChild(_in_place_child, unaligned.socket_path, handle.to_bytes()) as child:
+        with BlockingChild(_in_place_child, daemon.socket_path, handle.to_bytes()) as child:
             out = child.finish(timeout_s=60)
             assert child.process.exitcode == 0
-        assert out["offset_in_page"] != 0
+        if unaligned:
+            assert out["offset_in_page"] != 0
         np.testing.assert_array_equal(out["tensor"], (src / 2 + 1) * 3)
         np.testing.assert_array_equal(out["same_lease_tensor"], out["tensor"])
         assert out["array_unchanged"]
-        with Consumer(unaligned.socket_path, timeout_s=TIMEOUT_S) as other:
+        with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as other:
             with other.acquire(handle) as lease:
                 np.testing.assert_array_equal(lease.array, src)  # the shared bytes are untouched
                 t = lease.tensor()
                 np.testing.assert_array_equal(t.numpy(), src)  # and so is a new lease's private view
                 del t
-        producer.release(handle, wait=True)
+        producer.release([pad, handle], wait=True)
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -1,5 +1,10 @@
 """Every way a client can get a call wrong is refused with a typed error and a reason, and the
-daemon keeps serving everyone else (it never crashes and never hands out someone else's bytes)."""
+daemon keeps serving everyone else (it never crashes and never hands out someone else's bytes).
+
+Each test runs on both object paths: a daemon with its default object table (under the C backend
+loans are placed in the producer's grants and leases taken in shared memory) and one without
+(``object_slots=0``: every object goes through the daemon's RPC registry). Tests whose subject is
+the RPC registry itself run on that path only (``RPC_PATH``)."""
 from __future__ import annotations
 
 import grpc
@@ -40,9 +45,21 @@ def assert_still_serves(daemon) -> None:
         del lease
 
 
+@pytest.fixture(params=[None, 0], ids=["default_table", "no_table"])
+def object_slots(request):
+    """The daemon's object table: its default, or none (every object through the RPC registry)."""
+    return request.param
+
+
+# For tests of the daemon's RPC registry (Loan/Commit/Acquire/Release RPCs, lease ids and TTLs):
+# a daemon without an object table, so they test it under both backends.
+RPC_PATH = pytest.mark.parametrize("object_slots", [0], ids=["no_table"])
+
+
 @pytest.fixture
-def served(daemon):
+def served(make_daemon, object_slots):
     """The daemon, checked after the test to still serve a good request."""
+    daemon = make_daemon(object_slots=object_slots)
     yield daemon
     assert_still_serves(daemon)
 
@@ -100,10 +117,22 @@ def test_stale_handle_after_free_is_refused(producer, consumer):
     raise_reason(info, HandleError, Reason.STALE_HANDLE)
 
 
+def put_in_the_place_of(producer, old: Handle, array: np.ndarray) -> Handle:
+    """``array`` put where ``old`` was (its bytes, and its object-table slot if it had one): a
+    producer reuses its grant's slots in FIFO order, so this cycles once through them."""
+    new = producer.put(array)
+    for _ in range(1 << 16):
+        if new.shm.slot == old.shm.slot:
+            return new
+        producer.release(new, wait=True)
+        new = producer.put(array)
+    pytest.fail(f"slot {old.shm.slot} was never reused")
+
+
 def test_old_handle_to_reallocated_bytes_is_refused_as_stale_never_aliased(producer, consumer):
     old = producer.put(np.full(1000, 1.0, dtype=np.float32))
     producer.release(old, wait=True)
-    new = producer.put(np.full(1000, 2.0, dtype=np.float32))
+    new = put_in_the_place_of(producer, old, np.full(1000, 2.0, dtype=np.float32))
     assert new.shm.offset == old.shm.offset and new.shm.nbytes == old.shm.nbytes  # same bytes (ABA)
     assert new.shm.generation != old.shm.generation
     with pytest.raises(HandleError) as info:
@@ -199,6 +228,8 @@ def test_garbage_handle_bytes_are_refused_as_invalid_argument():
 
 
 # -- double release, ownership, state ------------------------------------------------------------
+# A second Release RPC of a lease id (an object-table lease has none: it is released in shared memory).
+@RPC_PATH
 def test_double_release_of_a_lease_is_refused(producer, consumer):
     handle = producer.put(ARRAY)
     lease = consumer.acquire(handle)
@@ -231,6 +262,8 @@ def test_release_of_a_producer_handle_whose_bytes_were_freed_is_refused_as_stale
     raise_reason(info, HandleError, Reason.STALE_HANDLE)
 
 
+# Another client's lease id in a Release RPC (an object-table lease has no id to send).
+@RPC_PATH
 def test_release_of_another_clients_lease_is_refused_as_not_owner(served, producer, consumer):
     handle = producer.put(ARRAY)
     lease = consumer.acquire(handle)
@@ -278,8 +311,8 @@ def test_commit_of_another_clients_loan_is_refused_as_not_owner(served, producer
     del loan
 
 
-def test_acquire_of_an_uncommitted_loan_is_refused_as_wrong_state(make_daemon):
-    daemon = make_daemon(commit_wait_s=0.1)
+def test_acquire_of_an_uncommitted_loan_is_refused_as_wrong_state(make_daemon, object_slots):
+    daemon = make_daemon(commit_wait_s=0.1, object_slots=object_slots)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
@@ -302,6 +335,8 @@ def test_double_commit_is_refused_as_wrong_state(producer):
     del loan
 
 
+# A Commit RPC of a committed loan (object-table loans commit in shared memory).
+@RPC_PATH
 def test_double_commit_is_refused_by_the_daemon_as_wrong_state(producer):
     loan = producer.loan(4096)
     loan.commit(wait=True)
@@ -314,16 +349,18 @@ def test_double_commit_is_refused_by_the_daemon_as_wrong_state(producer):
 
 def test_a_refused_pipelined_commit_raises_no_later_than_the_producers_next_release(producer):
     loan = producer.loan(4096)
-    loan.commit(hold_ms=10**9)  # a Commit RPC sent without waiting: the hold exceeds the maximum
     with pytest.raises(InvalidArgument) as info:
-        producer.release(loan.handle, wait=True)  # a release settles the commits before it
+        # The hold exceeds the maximum. A Commit RPC is sent without waiting, and a release settles
+        # the commits before it; a commit in the object table is refused at once.
+        loan.commit(hold_ms=10**9)
+        producer.release(loan.handle, wait=True)
     raise_reason(info, InvalidArgument, Reason.INVALID_ARGUMENT)
     loan.release()
     del loan
 
 
 def test_a_forged_commit_token_is_refused_and_the_loan_stays_uncommitted(make_daemon):
-    daemon = make_daemon(commit_wait_s=0.1)
+    daemon = make_daemon(commit_wait_s=0.1, object_slots=0)  # commit tokens are the RPC path's
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
@@ -344,10 +381,13 @@ def test_the_same_handle_twice_in_one_commit_is_refused_as_invalid_argument(prod
     with pytest.raises(InvalidArgument) as info:
         producer.commit_many([loan, loan], wait=True)
     raise_reason(info, InvalidArgument, Reason.INVALID_ARGUMENT)
+    assert not loan.committed, "a refused commit applied part of its batch"
     loan.release()
     del loan
 
 
+# Lease ids of a Release RPC (object-table leases are released in shared memory).
+@RPC_PATH
 def test_the_same_lease_twice_in_one_release_is_refused_as_invalid_argument(producer, consumer):
     handle = producer.put(ARRAY)
     lease = consumer.acquire(handle)
@@ -376,6 +416,8 @@ def test_empty_batch_is_refused_as_invalid_argument(producer, consumer, call):
     raise_reason(info, InvalidArgument, Reason.INVALID_ARGUMENT)
 
 
+# The limit bounds one daemon request; loans placed in the object table send none.
+@RPC_PATH
 def test_batch_above_the_limit_is_refused_as_invalid_argument(served, producer):
     with pytest.raises(InvalidArgument) as info:
         producer.loan_many([(1, None, None)] * 4097)
@@ -383,6 +425,8 @@ def test_batch_above_the_limit_is_refused_as_invalid_argument(served, producer):
     assert served.stat().used_nbytes == 0
 
 
+# Object-table leases have no TTL: ttl_ms applies to the leases the daemon holds.
+@RPC_PATH
 def test_lease_ttl_above_the_maximum_is_refused_as_invalid_argument(served, producer, consumer):
     handle = producer.put(ARRAY)
     with pytest.raises(InvalidArgument) as info:

@@ -17,10 +17,16 @@ import pytest
 from shmtransport.testing import BlockingChild, open_fds, run_in_child, start_children, wait_until
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.errors import ClosedError, HandleError, IdentityMismatch, Reason, ResourceExhausted, StateError
+from shmtransport.v1 import daemon_pb2 as pb
 
 KiB = 1024
 MiB = 1 << 20
 TIMEOUT_S = 10.0
+HANDOFF_WINDOW_MS = 2_000  # long enough to see an object outlive its producer, short enough to wait for
+
+# Properties that hold whether objects live in the object table (the default where the C kernels
+# are) or go through the daemon's registry (a daemon without a table).
+ON_BOTH_PATHS = pytest.mark.parametrize("object_slots", [None, 0], ids=["default", "no_table"])
 
 
 def wait_stat(daemon, predicate, timeout_s=5.0, what=""):
@@ -341,7 +347,9 @@ def test_zero_size_tensor_is_accepted_and_freed(daemon):
 
 
 # -- when bytes are freed ------------------------------------------------------------------------
-def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(daemon):
+@ON_BOTH_PATHS
+def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots)
     arr = np.ones(100_000, dtype=np.uint8)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
@@ -371,8 +379,9 @@ def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(daemon)
 
 
 def test_an_expired_lease_of_a_live_client_is_quarantined_never_reused_until_released(make_daemon):
-    """A lease past its TTL may still back a view: its bytes stay (reported), not reused under it."""
-    daemon = make_daemon(arena_nbytes=256 * KiB)
+    """A lease past its TTL may still back a view: its bytes stay (reported), not reused under it.
+    TTLs and quarantine apply to the leases the daemon holds: no object table (its leases have none)."""
+    daemon = make_daemon(arena_nbytes=256 * KiB, object_slots=0)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
@@ -406,7 +415,8 @@ def _hold_past_ttl(conn, socket_path, handle_bytes):
     conn.recv()
 
 
-def test_an_expired_lease_is_reclaimed_when_its_client_dies(daemon):
+def test_an_expired_lease_is_reclaimed_when_its_client_dies(make_daemon):
+    daemon = make_daemon(object_slots=0)  # TTLs apply to the leases the daemon holds: no object table
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
         handle = producer.put(np.arange(4096, dtype=np.uint8))
         with BlockingChild(_hold_past_ttl, daemon.socket_path, handle.to_bytes()) as child:
@@ -418,7 +428,9 @@ def test_an_expired_lease_is_reclaimed_when_its_client_dies(daemon):
         assert s.quarantined_leases == 0 and s.reclaimed_death_leases == 1
 
 
-def test_hold_ms_keeps_a_committed_object_alive_after_producer_release_until_it_expires(daemon):
+@ON_BOTH_PATHS
+def test_hold_ms_keeps_a_committed_object_alive_after_producer_release_until_it_expires(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots)
     arr = np.arange(5000, dtype=np.int32)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
@@ -438,7 +450,9 @@ def test_hold_ms_keeps_a_committed_object_alive_after_producer_release_until_it_
 
 
 # -- death of clients ----------------------------------------------------------------------------
-def test_producer_killed_between_loan_and_commit_gets_its_loan_reclaimed(daemon):
+@ON_BOTH_PATHS
+def test_producer_killed_between_loan_and_commit_gets_its_loan_reclaimed(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots)
     before = daemon.stat()
     with BlockingChild(child_loan_and_block, daemon.socket_path, 1 * MiB) as child:
         handle = Handle.from_bytes(child.recv(timeout_s=60))
@@ -454,24 +468,35 @@ def test_producer_killed_between_loan_and_commit_gets_its_loan_reclaimed(daemon)
         assert info.value.reason is Reason.STALE_HANDLE
 
 
-def test_producer_killed_after_commit_gets_its_object_reclaimed(daemon):
+@ON_BOTH_PATHS
+def test_producer_killed_after_commit_leaves_its_object_until_the_handoff_window_reclaims_it(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots, handoff_window_ms=HANDOFF_WINDOW_MS)
     arr = np.arange(300_000, dtype=np.uint8)
     with BlockingChild(child_put_and_block, daemon.socket_path, arr) as child:
         child.recv(timeout_s=60)
         assert daemon.stat().live_objects == 1
         child.kill()
-        s = wait_stat(daemon, lambda s: s.used_nbytes == 0, timeout_s=5, what="object reclaimed")
-    assert s.live_objects == 0 and s.reclaimed_death_nbytes == arr.nbytes
+        s = wait_stat(daemon, lambda s: not s.clients, timeout_s=5, what="producer session gone")
+    # Handed off: nobody acquired it yet, so it outlives its producer (a consumer may still come).
+    assert s.live_objects == 1 and s.used_nbytes >= arr.nbytes and s.reclaimed_death_nbytes == 0
+    assert s.handoff_objects == s.table_objects  # the table (if any) counts it as waiting
+    s = wait_stat(daemon, lambda s: s.used_nbytes == 0, timeout_s=HANDOFF_WINDOW_MS / 1000 + 5,
+                  what="hand-off window passed")
+    assert s.live_objects == 0 and s.handoff_objects == 0
+    assert (s.reclaimed_handoff_objects, s.reclaimed_handoff_nbytes) == (1, arr.nbytes)
+    assert s.reclaimed_death_nbytes == 0
 
 
-def test_producer_death_does_not_pull_bytes_from_under_a_live_lease(daemon):
+@ON_BOTH_PATHS
+def test_producer_death_does_not_pull_bytes_from_under_a_live_lease(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots)
     arr = np.random.default_rng(3).integers(0, 255, size=200_000, dtype=np.uint8)
     with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
         with BlockingChild(child_put_and_block, daemon.socket_path, arr) as child:
             handle = Handle.from_bytes(child.recv(timeout_s=60))
             lease = consumer.acquire(handle)
             child.kill()
-            wait_stat(daemon, lambda s: not any(c.committed_nbytes for c in s.clients), what="producer gone")
+            wait_stat(daemon, lambda s: len(s.clients) == 1, what="producer session gone")
         s = daemon.stat()
         assert s.live_objects == 1 and s.live_leases == 1
         assert np.array_equal(lease.array, arr)
@@ -481,20 +506,32 @@ def test_producer_death_does_not_pull_bytes_from_under_a_live_lease(daemon):
         del lease
 
 
-def test_consumer_killed_while_holding_leases_gets_them_reclaimed(daemon):
-    arrays = [np.full(10_000 * (i + 1), i, dtype=np.uint8) for i in range(3)]
-    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+@ON_BOTH_PATHS
+def test_consumer_killed_while_holding_leases_gets_them_reclaimed_and_the_producer_reuses_the_bytes(
+    make_daemon, object_slots
+):
+    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+    arrays = [np.full(MiB, i, dtype=np.uint8) for i in range(4)]  # the whole arena
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
         handles = producer.put_many(arrays)
         with BlockingChild(child_acquire_and_block, daemon.socket_path, [h.to_bytes() for h in handles]) as child:
             lease_ids = child.recv(timeout_s=60)
-            assert len(lease_ids) == 3
+            assert len(lease_ids) == len(arrays)
             producer.release(handles, wait=True)
             s = daemon.stat()
-            assert s.live_leases == 3 and s.live_objects == 3  # the leases keep the bytes
+            assert s.live_leases == 4 and s.live_objects == 4  # the leases keep the bytes
+            with pytest.raises(ResourceExhausted) as info:  # ... from this producer too
+                producer.put(arrays[0])
+            assert info.value.reason is Reason.ARENA_FULL
+            del info
             child.kill()
             s = wait_stat(daemon, lambda s: s.live_leases == 0 and s.used_nbytes == 0, what="leases reclaimed")
-    assert s.reclaimed_death_leases == 3
-    assert s.reclaimed_death_nbytes == sum(a.nbytes for a in arrays)
+        assert s.reclaimed_death_leases == 4
+        assert s.reclaimed_death_nbytes == sum(a.nbytes for a in arrays)
+        # The dead consumer's holds are gone (in the table: its bit cleared), so the producer gets
+        # the bytes back without waiting.
+        producer.release(producer.put_many(arrays), wait=True)
+    assert daemon.stat().used_nbytes == 0
 
 
 def test_eight_concurrent_client_processes_read_back_exactly_what_was_written(daemon):
@@ -515,8 +552,9 @@ def test_eight_concurrent_client_processes_read_back_exactly_what_was_written(da
 
 
 # -- running out ---------------------------------------------------------------------------------
-def test_full_arena_raises_arena_full_then_recovers_after_releases(make_daemon):
-    daemon = make_daemon(arena_nbytes=8 * MiB)
+@ON_BOTH_PATHS
+def test_full_arena_raises_arena_full_then_recovers_after_releases(make_daemon, object_slots):
+    daemon = make_daemon(arena_nbytes=8 * MiB, object_slots=object_slots)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as p1, Producer(
         daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0
     ) as p2:
@@ -533,16 +571,19 @@ def test_full_arena_raises_arena_full_then_recovers_after_releases(make_daemon):
         with pytest.raises(ResourceExhausted):
             p1.loan_many([(MiB, None, None)] * 3)
         assert daemon.stat().used_nbytes == used
-        # Releasing makes room again, for either producer.
+        # Releasing makes room again, for either producer: p1's bytes go back to the arena at once
+        # (no table), or once p1 gives back the grants they emptied (in the background).
         mine = [h for i, h in enumerate(held) if i % 2]
         p1.release(mine, wait=True)
+        wait_stat(daemon, lambda s: s.free_nbytes >= MiB, what="p1's released bytes back in the arena")
         h = p2.put(np.full(MiB, 1, dtype=np.uint8))
         p2.release([h] + [h for i, h in enumerate(held) if not i % 2], wait=True)
     assert daemon.stat().used_nbytes == 0
 
 
-def test_loan_on_a_full_arena_waits_for_space_freed_by_another_client(make_daemon):
-    daemon = make_daemon(arena_nbytes=4 * MiB)
+@ON_BOTH_PATHS
+def test_loan_on_a_full_arena_waits_for_space_freed_by_another_client(make_daemon, object_slots):
+    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as hog, Producer(
         daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=5.0
     ) as patient:
@@ -554,24 +595,55 @@ def test_loan_on_a_full_arena_waits_for_space_freed_by_another_client(make_daemo
             handle = patient.put(np.ones(MiB, dtype=np.uint8))  # back-pressure, then success
         finally:
             timer.join(TIMEOUT_S)
-        assert daemon.stat().allocation_failures == 0
+        assert daemon.stat().allocation_failures == 0  # back-pressure is not a refusal
         patient.release(handle, wait=True)
         hog.release(held[1:], wait=True)
     assert daemon.stat().used_nbytes == 0
 
 
-def test_the_byte_quota_belongs_to_the_tenant_so_more_sessions_do_not_evade_it(make_daemon):
-    daemon = make_daemon(quota_nbytes=1 * MiB)
+@ON_BOTH_PATHS
+def test_a_producer_waiting_on_a_full_arena_gets_the_space_its_own_consumer_releases(make_daemon, object_slots):
+    """Back-pressure with one producer. In the object table its consumer's release never reaches
+    the daemon: the waiting producer must find the bytes in its own grants."""
+    daemon = make_daemon(arena_nbytes=256 * KiB, object_slots=object_slots)
+    size = 64 * KiB  # a standard grant of this arena: one object each, the grants fill the arena
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=5.0) as producer, Consumer(
+        daemon.socket_path, timeout_s=TIMEOUT_S
+    ) as consumer:
+        handles = producer.put_many([np.full(size, i, dtype=np.uint8) for i in range(4)])
+        leases = consumer.acquire_many(handles)
+        producer.release(handles, wait=True)  # only the consumer holds the bytes now
+        assert daemon.stat().free_nbytes == 0
+        timer = threading.Timer(0.2, lambda: consumer.release_many(leases[:1], wait=True))
+        timer.start()
+        try:
+            handle = producer.put(np.ones(size, dtype=np.uint8))  # back-pressure, then success
+        finally:
+            timer.join(TIMEOUT_S)
+        assert handle.shm.offset == handles[0].shm.offset  # the bytes the consumer released
+        consumer.release_many(leases[1:], wait=True)
+        producer.release(handle, wait=True)
+        del leases
+    assert daemon.stat().used_nbytes == 0
+
+
+@ON_BOTH_PATHS
+def test_the_byte_quota_belongs_to_the_tenant_so_more_sessions_do_not_evade_it(make_daemon, object_slots):
+    # 1 MiB objects are larger than this arena's standard grant: in the object table each gets a
+    # grant of exactly its size, so two of them hold the quota on both paths.
+    daemon = make_daemon(arena_nbytes=8 * MiB, quota_nbytes=2 * MiB, object_slots=object_slots)
     producers = [Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) for _ in range(4)]
     try:
-        a = producers[0].loan(512 * KiB)
-        b = producers[1].loan(512 * KiB)
+        a = producers[0].loan(MiB)
+        b = producers[1].loan(MiB)
         for producer in producers:  # every further session of the tenant meets the same quota
             with pytest.raises(ResourceExhausted) as info:
                 producer.loan(1)
             assert info.value.reason is Reason.QUOTA_EXCEEDED
         a.release()
         producers[0].flush()
+        # a's bytes leave the quota at once (no table), or once producer 0 gives back its emptied grant
+        wait_stat(daemon, lambda s: s.free_nbytes == s.arena.nbytes - MiB, what="a's bytes back in the arena")
         d = producers[3].loan(256 * KiB)  # room again after a release
         for loan in (b, d):
             loan.release()
@@ -582,7 +654,7 @@ def test_the_byte_quota_belongs_to_the_tenant_so_more_sessions_do_not_evade_it(m
 
 
 def test_the_lease_quota_belongs_to_the_tenant_and_recovers(make_daemon):
-    daemon = make_daemon(quota_leases=2)
+    daemon = make_daemon(quota_leases=2, object_slots=0)  # the quota bounds the leases the daemon holds
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as other:
@@ -716,7 +788,7 @@ def test_lease_object_outliving_its_consumer_does_not_leak_the_mapping(daemon):
 
 
 def test_acquires_waiting_for_a_missing_commit_do_not_stall_other_clients(make_daemon):
-    daemon = make_daemon(commit_wait_s=1.5)
+    daemon = make_daemon(commit_wait_s=1.5, object_slots=0)  # in the table an Acquire never waits
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as waiting, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as other:
@@ -745,24 +817,27 @@ def test_acquires_waiting_for_a_missing_commit_do_not_stall_other_clients(make_d
 
 
 def test_a_commit_by_handoff_wakes_acquires_waiting_for_that_loan(make_daemon):
-    daemon = make_daemon(commit_wait_s=5.0)
+    """Our client commits by RPC now, but the daemon still accepts a loan's commit token from the
+    wire (no object table: tokens are the registry's): an Acquire presenting it commits the loan
+    and wakes the Acquires waiting for that commit."""
+    daemon = make_daemon(commit_wait_s=5.0, object_slots=0)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as waiting, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as holder:
-        loan = producer.loan(4096)
+        loaned = producer._conn.call("Loan", pb.LoanRequest(nbytes=[4096]))  # the raw reply has the token
+        uncommitted = Handle(loaned.handles[0], "uint8", (4096,))
         done = []
 
         def acquire_without_token():
-            with waiting.acquire(loan.handle):  # no commit token: waits for someone to commit
+            with waiting.acquire(uncommitted):  # no commit token: waits for someone to commit
                 done.append(time.monotonic())
 
         t = threading.Thread(target=acquire_without_token)
         t.start()
         time.sleep(0.3)  # let the acquire reach the daemon and start waiting
-        handle = loan.commit()  # commit by handoff: the token travels with the handle, no RPC
+        handle = Handle(loaned.handles[0], "uint8", (4096,), commit_token=loaned.commit_tokens[0])
         committed_at = time.monotonic()
-        with holder.acquire(handle):
+        with holder.acquire(handle):  # commit by handoff: the token travels with the handle
             t.join(TIMEOUT_S)
         assert done and done[0] - committed_at < 1.0, "the waiting acquire slept through the handoff commit"
-        producer.release(handle)
-        del loan
+        producer.release(uncommitted, wait=True)

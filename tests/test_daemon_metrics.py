@@ -35,6 +35,13 @@ def _samples(text: str) -> dict[str, float]:
 TENANT = f'{{tenant="uid:{os.geteuid()}"}}'  # every metric is labelled with its tenant
 
 
+def _client_leases(samples: dict[str, float], pid: int) -> float:
+    """The one shmtransport_client_leases sample of process ``pid``."""
+    [value] = [v for name, v in samples.items()
+               if name.startswith("shmtransport_client_leases{") and f'pid="{pid}"' in name]
+    return value
+
+
 def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return _samples(response.read().decode())
@@ -69,11 +76,14 @@ def sock_dir():
     testing.remove_tree(path)
 
 
-def test_metrics_endpoint_reports_arena_objects_leases_and_reclaim_counters(make_daemon):
+@pytest.mark.parametrize("object_slots", [None, 0], ids=["default", "no_table"])
+def test_metrics_endpoint_reports_arena_objects_leases_and_reclaim_counters(make_daemon, object_slots):
     port = _free_port()
-    daemon = make_daemon(metrics_port=port)
+    daemon = make_daemon(metrics_port=port, object_slots=object_slots, handoff_window_ms=1000)
     with Producer(daemon.socket_path, timeout_s=10) as producer, Consumer(daemon.socket_path, timeout_s=10) as consumer:
         handle = producer.put(np.arange(4096, dtype=np.uint8))
+        in_table = handle.shm.slot > 0
+        assert _scrape(port)["shmtransport_handoff_objects" + TENANT] == in_table  # nobody acquired it yet
         lease = consumer.acquire(handle)
         held = _scrape(port)
         assert held["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
@@ -81,14 +91,25 @@ def test_metrics_endpoint_reports_arena_objects_leases_and_reclaim_counters(make
         assert held["shmtransport_live_leases" + TENANT] == 1
         assert held["shmtransport_used_nbytes" + TENANT] >= 4096
         assert held["shmtransport_allocations_total" + TENANT] >= 1
-        assert any(name.startswith("shmtransport_client_leases{") and v == 1 for name, v in held.items())
+        assert held["shmtransport_table_objects" + TENANT] == in_table
+        assert held["shmtransport_handoff_objects" + TENANT] == 0  # the acquire took the hand-off over
+        assert (held["shmtransport_granted_nbytes" + TENANT] >= 4096) == in_table
+        # Per process, the leases the daemon holds: a lease in the table is the consumer's own bit.
+        assert _client_leases(held, os.getpid()) == (not in_table)
         lease.release()
         producer.release(handle, wait=True)
         consumer.flush()
         done = _scrape(port)
+        producer.put(np.arange(4096, dtype=np.uint8))  # handed off to a consumer that never comes
     assert done["shmtransport_live_objects" + TENANT] == 0
     assert done["shmtransport_live_leases" + TENANT] == 0
     assert done["shmtransport_used_nbytes" + TENANT] == 0
+    reclaimed = testing.wait_until(
+        lambda: (m := _scrape(port))["shmtransport_reclaimed_handoff_objects_total" + TENANT] == 1 and m,
+        timeout_s=10, what="the hand-off window passed",
+    )
+    assert reclaimed["shmtransport_reclaimed_handoff_nbytes_total" + TENANT] == 4096
+    assert reclaimed["shmtransport_live_objects" + TENANT] == 0
 
 
 def test_metrics_address_tcp_binds_that_address(make_daemon):

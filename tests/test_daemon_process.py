@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from shmtransport import objtable
 from shmtransport.testing import SHM_DIR, remove_tree, short_tmpdir
 from shmtransport.client import Consumer, Producer
 from shmtransport.daemon import Daemon
@@ -33,19 +34,38 @@ def segments(prefix: str) -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix + "-"))
 
 
+# Both paths: the object table (the default where the C kernels are) and the RPC registry alone.
+BOTH_PATHS = pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
+
+
+def has_table(object_slots: int | None) -> bool:
+    """Whether a daemon started with ``object_slots`` keeps an object table (the CLI child runs
+    under this process's backend)."""
+    return objtable.available() and object_slots != 0
+
+
+def segment_kinds(object_slots: int | None) -> list[str]:
+    """The segments a one-tenant daemon keeps: its arena, and its object table's control segment."""
+    return ["arena", "objects"] if has_table(object_slots) else ["arena"]
+
+
+def kinds_of(names: list[str]) -> list[str]:
+    return sorted(name.rsplit("-", 1)[1] for name in names)
+
+
 class CliDaemon:
     """One ``shmtransport daemon`` process; ready once it printed its ready line."""
 
-    def __init__(self, socket_path: str, prefix: str, arena_nbytes: int = ARENA_NBYTES, log_dir: str = "/tmp"):
+    def __init__(self, socket_path: str, prefix: str, arena_nbytes: int = ARENA_NBYTES, log_dir: str = "/tmp",
+                 object_slots: int | None = None):
         self.socket_path = socket_path
         self.prefix = prefix
         self.log_path = os.path.join(log_dir, f"daemon-{os.path.basename(socket_path)}-{id(self)}.log")
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            cli("daemon", "--socket", socket_path, "--arena-size", str(arena_nbytes), "--name-prefix", prefix),
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-        )
+        args = ["--socket", socket_path, "--arena-size", str(arena_nbytes), "--name-prefix", prefix]
+        if object_slots is not None:
+            args += ["--object-slots", str(object_slots)]
+        self.proc = subprocess.Popen(cli("daemon", *args), stdout=subprocess.PIPE, stderr=self._log)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "CliDaemon":
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
@@ -86,15 +106,17 @@ def tmpdir_short():
 
 @pytest.fixture
 def start_cli_daemon(tmpdir_short, new_prefix):
-    """Factory: ``start_cli_daemon(prefix=None, socket_name='d.sock')`` → a ready CliDaemon.
+    """Factory: ``start_cli_daemon(prefix=None, socket_name='d.sock', arena_nbytes=..., object_slots=None)``
+    → a ready CliDaemon.
 
     Teardown SIGKILLs what still runs, then removes segments those prefixes left (crash tests leave
     them on purpose; the suite's leak check would flag them otherwise)."""
     started: list[CliDaemon] = []
 
-    def factory(prefix: str | None = None, socket_name: str = "d.sock", arena_nbytes: int = ARENA_NBYTES):
+    def factory(prefix: str | None = None, socket_name: str = "d.sock", arena_nbytes: int = ARENA_NBYTES,
+                object_slots: int | None = None):
         daemon = CliDaemon(
-            os.path.join(tmpdir_short, socket_name), prefix or new_prefix(), arena_nbytes, tmpdir_short
+            os.path.join(tmpdir_short, socket_name), prefix or new_prefix(), arena_nbytes, tmpdir_short, object_slots
         )
         started.append(daemon)
         return daemon.wait_ready()
@@ -121,9 +143,11 @@ def call_until_connected(fn, attempts: int = 3):
 
 
 # -- signals -------------------------------------------------------------------------------------
-def test_sigterm_exits_zero_and_removes_socket_and_segment(start_cli_daemon):
-    daemon = start_cli_daemon()
-    [segment] = segments(daemon.prefix)
+@BOTH_PATHS
+def test_sigterm_exits_zero_and_removes_socket_and_segments(start_cli_daemon, object_slots):
+    daemon = start_cli_daemon(object_slots=object_slots)
+    live = segments(daemon.prefix)
+    assert kinds_of(live) == segment_kinds(object_slots)
     assert os.path.exists(daemon.socket_path) and os.path.exists(daemon.socket_path + ".session")
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:  # with a live client, too
         producer.put(np.arange(10))
@@ -131,13 +155,14 @@ def test_sigterm_exits_zero_and_removes_socket_and_segment(start_cli_daemon):
         assert daemon.wait() == 0, daemon.log()
     assert not os.path.exists(daemon.socket_path)
     assert not os.path.exists(daemon.socket_path + ".session")
-    assert not os.path.exists(os.path.join(SHM_DIR, segment))
+    assert [name for name in live if os.path.exists(os.path.join(SHM_DIR, name))] == []
 
 
 def test_socket_and_segment_files_are_owner_only(start_cli_daemon):
     daemon = start_cli_daemon()
-    [segment] = segments(daemon.prefix)
-    for path in (daemon.socket_path, daemon.socket_path + ".session", os.path.join(SHM_DIR, segment)):
+    live = segments(daemon.prefix)
+    assert kinds_of(live) == segment_kinds(None)
+    for path in (daemon.socket_path, daemon.socket_path + ".session", *(os.path.join(SHM_DIR, n) for n in live)):
         mode = stat.S_IMODE(os.stat(path).st_mode)
         assert mode == 0o600, f"{path}: {oct(mode)}"
 
@@ -148,29 +173,34 @@ def test_in_process_daemon_files_are_owner_only_whatever_the_umask(make_daemon):
         daemon = make_daemon()
     finally:
         os.umask(old)
-    for path in (daemon.socket_path, daemon.socket_path + ".session", os.path.join(SHM_DIR, daemon.segment_names[0])):
+    assert kinds_of(daemon.segment_names) == segment_kinds(None)
+    shm_paths = [os.path.join(SHM_DIR, name) for name in daemon.segment_names]
+    for path in (daemon.socket_path, daemon.socket_path + ".session", *shm_paths):
         mode = stat.S_IMODE(os.stat(path).st_mode)
         assert mode == 0o600, f"{path}: {oct(mode)}"
 
 
 # -- crash and restart ---------------------------------------------------------------------------
-def test_restart_after_sigkill_sweeps_the_dead_instances_segment(start_cli_daemon):
-    first = start_cli_daemon()
-    [dead_segment] = segments(first.prefix)
+@BOTH_PATHS
+def test_restart_after_sigkill_sweeps_the_dead_instances_segments(start_cli_daemon, object_slots):
+    first = start_cli_daemon(object_slots=object_slots)
+    dead = segments(first.prefix)
+    assert kinds_of(dead) == segment_kinds(object_slots)
     first.kill()  # SIGKILL: no chance to clean up
-    assert segments(first.prefix) == [dead_segment]
-    second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock")
+    assert segments(first.prefix) == dead
+    second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", object_slots=object_slots)
     live = segments(second.prefix)
-    assert dead_segment not in live and len(live) == 1
-    assert "swept 1 leftover segment" in second.log()
+    assert not set(dead) & set(live) and kinds_of(live) == kinds_of(dead)
+    assert f"swept {len(dead)} leftover segment" in second.log()
 
 
-def test_startup_sweep_never_touches_a_live_daemons_segment(start_cli_daemon):
-    first = start_cli_daemon()
-    [first_segment] = segments(first.prefix)
-    second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock")  # same prefix, live first
+@BOTH_PATHS
+def test_startup_sweep_never_touches_a_live_daemons_segments(start_cli_daemon, object_slots):
+    first = start_cli_daemon(object_slots=object_slots)
+    first_segments = segments(first.prefix)
+    second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", object_slots=object_slots)  # live first
     both = segments(first.prefix)
-    assert first_segment in both and len(both) == 2
+    assert set(first_segments) <= set(both) and len(both) == 2 * len(first_segments)
     for daemon in (first, second):  # and both serve
         with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
             producer.release(producer.put(np.arange(100)), wait=True)
@@ -181,30 +211,60 @@ def test_startup_sweep_never_touches_a_live_daemons_segment(start_cli_daemon):
     assert segments(first.prefix) == []
 
 
-def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(start_cli_daemon):
-    first = start_cli_daemon()
+@BOTH_PATHS
+def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(start_cli_daemon, object_slots):
+    first = start_cli_daemon(object_slots=object_slots)
     with Producer(first.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         first.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
         handle = producer.put(np.arange(1000), hash=True)
+        assert bool(handle.shm.slot) == has_table(object_slots)
         old_instance = consumer.instance_id
         first.kill()
-        start_cli_daemon(prefix=first.prefix)  # same socket, same prefix: sweeps the old arena
+        start_cli_daemon(prefix=first.prefix, object_slots=object_slots)  # same socket, same prefix: sweeps
         call_until_connected(consumer.stat)
         assert consumer.instance_id != old_instance
         with pytest.raises(Unavailable) as info:
             consumer.acquire(handle)
         assert info.value.reason is Reason.INSTANCE_MISMATCH
-        with pytest.raises(Unavailable) as info:
-            call_until_connected(lambda: producer.release(handle, wait=True))
-        assert info.value.reason is Reason.INSTANCE_MISMATCH
-        # And the reconnected clients work against the new daemon.
+        # The reconnected clients work against the new daemon; the new object may sit in the very
+        # slot, generation and offset the old handle names.
         fresh = call_until_connected(lambda: producer.put(np.arange(1000), hash=True))
+        assert fresh.shm.instance_id == consumer.instance_id
+        if has_table(object_slots):
+            # Released in shared memory, without asking the daemon: the old handle's object went
+            # with its daemon, so there is nothing to release, and nothing of the new daemon's.
+            producer.release(handle)
+        else:
+            with pytest.raises(Unavailable) as info:
+                producer.release(handle, wait=True)
+            assert info.value.reason is Reason.INSTANCE_MISMATCH
         lease = consumer.acquire(fresh)
         lease.verify()
         consumer.release_many([lease], wait=True)
         producer.release(fresh, wait=True)
+        assert consumer.stat().live_objects == 0
         del lease
+
+
+@BOTH_PATHS
+def test_a_producer_closes_cleanly_after_a_daemon_restart(start_cli_daemon, object_slots):
+    """Its first call after the restart is its close: what it held died with the old daemon, and
+    nothing of it may be handed to the new one, where another producer may hold grants and
+    objects of the same ids."""
+    first = start_cli_daemon(object_slots=object_slots)
+    stale = Producer(first.socket_path, timeout_s=TIMEOUT_S)
+    stale.put(np.arange(1000))
+    first.kill()
+    second = start_cli_daemon(prefix=first.prefix, object_slots=object_slots)
+    with Producer(second.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.arange(1000))
+        before = producer.stat()
+        stale.close()
+        after = producer.stat()
+        assert (after.live_objects, after.used_nbytes, after.granted_nbytes) == (
+            before.live_objects, before.used_nbytes, before.granted_nbytes)
+        producer.release(handle, wait=True)
 
 
 def test_first_call_after_a_daemon_restart_reconnects_to_the_new_daemon(start_cli_daemon):

@@ -14,6 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
+from shmtransport import objtable
 from shmtransport.client import Consumer, Producer
 from shmtransport.errors import HandleError
 from shmtransport.testing import BlockingChild, run_in_child, start_daemon, stop_daemon, wait_until
@@ -50,7 +51,8 @@ class HandoffMachine(RuleBasedStateMachine):
         for record in self.records:
             if record["live"]:
                 record["lease"].release()
-        self.records.clear()  # closed consumers' leases hold views of the arena until dropped
+            record["lease"] = None  # hypothesis keeps the records: their leases hold arena views
+        self.records.clear()
         for client in self.producers + self.consumers:
             client.close()
         stop_daemon(self.daemon)
@@ -183,3 +185,32 @@ def test_a_hold_survives_the_first_acquire_and_the_producers_release(make_daemon
         consumer.acquire(handle).release()  # a late second consumer of a fan-out
         consumer.flush()
         wait_until(lambda: daemon.stat().live_objects == 0, timeout_s=5, what="the hold ended")
+
+
+# -- a client without the C kernels reaches table objects through the daemon ---------------------
+def _acquire_in_pure_python(socket_path, handle_bytes):
+    from shmtransport import BACKEND
+    from shmtransport.client import Handle
+
+    with Consumer(socket_path, timeout_s=TIMEOUT_S) as consumer:
+        lease = consumer.acquire(Handle.from_bytes(handle_bytes))
+        held = (BACKEND, lease.lease_id != 0, consumer.stat().live_leases)
+        data = lease.array.copy()
+        lease.release()
+        consumer.flush()
+        return held, data, consumer.stat().live_leases
+
+
+@pytest.mark.skipif(not objtable.available(), reason="needs a daemon with an object table (the C kernels)")
+def test_a_pure_python_consumer_acquires_table_objects_through_the_daemons_proxy_bit(daemon, monkeypatch):
+    data = np.arange(3000, dtype=np.uint8)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(data)
+        assert handle.shm.slot  # an object of the table
+        monkeypatch.setenv("SHMTRANSPORT_BACKEND", "python")  # the spawned child's backend
+        held, got, after = run_in_child(_acquire_in_pure_python, daemon.socket_path, handle.to_bytes(),
+                                        timeout_s=TIMEOUT_S)
+        assert held == ("python", True, 1)  # a daemon lease (proxy bit), counted by the daemon
+        assert np.array_equal(got, data) and after == 0
+        producer.release(handle)
+    assert daemon.stat().live_objects == 0

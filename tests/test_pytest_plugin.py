@@ -9,6 +9,7 @@ import secrets
 
 import pytest
 
+from shmtransport import objtable
 from shmtransport.testing import SHM_DIR, remove_tree
 
 pytest_plugins = ["pytester"]
@@ -103,6 +104,27 @@ def test_leaks_a_lease(shm_producer, shm_consumer, shm_daemon):
     _kept.append(shm_consumer.acquire(shm_producer.put(np.arange(100))))
 '''
 
+SAMPLE_HANDOFF = '''
+import os
+
+import numpy as np
+import pytest
+
+from shmtransport.client import Producer
+''' + RECORD_PREFIX + '''
+_kept = []
+
+
+@pytest.mark.shm_leak_check
+def test_leaks_a_lease_on_a_handed_off_object(shm_daemon, request):
+    record(shm_daemon)
+    with Producer(shm_daemon.socket_path, timeout_s=10) as producer:
+        handle = producer.put(np.arange(100))
+    # The object outlives its producer (hand-off); a consumer that connects now acquires it.
+    consumer = request.getfixturevalue("shm_consumer")
+    _kept.append(consumer.acquire(handle))
+'''
+
 SAMPLE_KEEP = '''
 import os
 
@@ -178,7 +200,19 @@ def test_fixtures_round_trip_and_each_leak_fails_its_test_with_the_leak_listed(p
     assert not leftovers(recorded_prefixes(pytester))  # every fixture daemon was stopped and unlinked
 
 
-def test_keep_on_failure_leaves_the_failed_tests_daemon_segment_and_prints_where(pytester):
+def test_a_lease_left_on_a_handed_off_object_fails_its_test(pytester):
+    """The consumer that takes a handed-off object over may get the session bit its producer had
+    (in the object table): its lease is a lease all the same."""
+    pytester.makepyfile(test_handoff=SAMPLE_HANDOFF)
+    result = run(pytester)
+    out = result.stdout.str()
+    result.assert_outcomes(passed=1, errors=1)
+    assert "live leases left at the end of the test (1 new)" in out, out
+    assert re.search(r"client \w+ \(this process\): 1 lease\(s\)", out), out
+    assert not leftovers(recorded_prefixes(pytester))
+
+
+def test_keep_on_failure_leaves_the_failed_tests_daemon_segments_and_prints_where(pytester):
     pytester.makepyfile(test_keep=SAMPLE_KEEP)
     result = run(pytester, "--shm-keep-on-failure")
     prefixes = recorded_prefixes(pytester)
@@ -189,9 +223,12 @@ def test_keep_on_failure_leaves_the_failed_tests_daemon_segment_and_prints_where
         assert "daemon state kept for inspection" in out
         sockets = re.findall(r"^  socket: (\S+)$", out, re.M)
         segments = re.findall(r"^  segment: /dev/shm/(\S+)$", out, re.M)
-        assert len(sockets) == 1 and len(segments) == 1, out
+        assert len(sockets) == 1, out
         assert kept == segments  # only the failed test's daemon was kept; the passing one is gone
-        assert segments[0].endswith("-arena") and os.path.getsize(os.path.join(SHM_DIR, segments[0])) == 64 << 20
+        # Its arena, and its object table's control segment where it keeps one (the object is there).
+        kinds = {name.rsplit("-", 1)[1]: name for name in segments}
+        assert sorted(kinds) == (["arena", "objects"] if objtable.available() else ["arena"]), out
+        assert os.path.getsize(os.path.join(SHM_DIR, kinds["arena"])) == 64 << 20
     finally:
         for name in kept:
             os.unlink(os.path.join(SHM_DIR, name))

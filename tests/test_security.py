@@ -5,7 +5,12 @@ shell=True.
 The current model, stated by a test: handles are capabilities among clients of the allowed uids.
 A same-uid client holding (or correctly guessing) every field of a valid handle may acquire it;
 generations are sequential and offsets predictable, so a handle is not a secret - the allowlist
-and file modes are the boundary, not the handle. Commit tokens *are* secrets.
+and file modes are the boundary, not the handle. That holds for object-table handles too (slot and
+per-slot generation are as guessable): within a tenant processes cooperate (docs/security.md).
+Commit tokens of the RPC path *are* secrets.
+
+The handle tests run on both object paths: the daemon's default object table and none
+(``object_slots=0``, every object through the RPC registry).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import pytest
 
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.daemon.server import GRPC_OPTIONS
-from shmtransport.errors import HandleError, OwnershipError, Reason, ShmTransportError
+from shmtransport.errors import HandleError, OwnershipError, Reason, ShmTransportError, StateError
 from shmtransport.testing import run_in_child
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.v1 import daemon_pb2_grpc as pb_grpc
@@ -128,6 +133,7 @@ def test_segment_files_and_sockets_are_0600_and_owned_by_the_daemon_user(daemon)
 
 
 ARRAY = np.arange(1024, dtype=np.float32)
+BOTH_PATHS = pytest.mark.parametrize("object_slots", [None, 0], ids=["default_table", "no_table"])
 
 
 def _forge(h: Handle, **fields) -> Handle:
@@ -145,6 +151,7 @@ def _forger(socket_path: str, seen: bytes) -> dict:
     with Consumer(socket_path, timeout_s=TIMEOUT_S) as c, Producer(socket_path, timeout_s=TIMEOUT_S) as p:
         guesses = {
             "next_generation_same_offset": _forge(seen, generation=seen.shm.generation + 1),
+            "next_slot_same_offset": _forge(seen, slot=seen.shm.slot + 1),
             "previous_generation": _forge(seen, generation=seen.shm.generation - 1),
             "shifted_offset": _forge(seen, offset=seen.shm.offset + 4096),
             "bigger_nbytes": _forge(seen, nbytes=seen.shm.nbytes * 2),
@@ -166,18 +173,24 @@ def _forger(socket_path: str, seen: bytes) -> dict:
     return out
 
 
-def test_a_handle_forged_by_another_process_for_bytes_it_was_not_given_is_refused(daemon):
+@BOTH_PATHS
+def test_a_handle_forged_by_another_process_for_bytes_it_was_not_given_is_refused(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         shared = p.put(np.zeros(1024, np.float32), hash=True)  # the forger was given this one
-        secret = p.put(ARRAY, hash=True)  # ... not this one: next generation, next offset
+        secret = p.put(ARRAY, hash=True)  # ... not this one: next offset, next generation or slot
         for h in (shared, secret):
-            c.release_many([c.acquire(h)], wait=True)  # commit both
-        assert secret.shm.generation == shared.shm.generation + 1
+            c.release_many([c.acquire(h)], wait=True)  # taken over from the hand-off by a consumer
+        if shared.shm.slot:  # an object-table generation counts the objects of one slot
+            assert (secret.shm.slot, secret.shm.generation) == (shared.shm.slot + 1, shared.shm.generation)
+        else:
+            assert secret.shm.generation == shared.shm.generation + 1
         out = run_in_child(_forger, daemon.socket_path, shared.to_bytes(), timeout_s=60)
-        # next_generation_same_offset and shifted_offset name the secret only partly (wrong offset or
-        # wrong generation): refused. None of the guesses returned bytes.
+        # next_generation_same_offset, next_slot_same_offset and shifted_offset name the secret only
+        # partly (wrong offset, slot or generation): refused. None of the guesses returned bytes.
         assert not [k for k, v in out.items() if v.startswith("ACQUIRED")], out
         assert out["next_generation_same_offset"] in ("stale_handle", "bad_handle"), out
+        assert out["next_slot_same_offset"] in ("bad_handle", "stale_handle", "out_of_bounds"), out
         assert out["shifted_offset"] in ("bad_handle", "stale_handle", "out_of_bounds"), out
         assert out["bigger_nbytes"] == "out_of_bounds" and out["offset_beyond_arena"] == "out_of_bounds", out
         assert out["other_segment"] == "bad_handle", out
@@ -185,12 +198,16 @@ def test_a_handle_forged_by_another_process_for_bytes_it_was_not_given_is_refuse
         p.release([shared, secret], wait=True)
 
 
-def test_current_model_a_same_uid_client_holding_all_fields_of_a_valid_handle_may_acquire_it(daemon):
-    """Handles are capabilities: the daemon checks instance, name, offset, size and generation, not
-    who received the handle. (Generations are sequential: a same-uid client can guess them.)"""
+@BOTH_PATHS
+def test_current_model_a_same_uid_client_holding_all_fields_of_a_valid_handle_may_acquire_it(make_daemon,
+                                                                                              object_slots):
+    """Handles are capabilities: the daemon (or the object table) checks instance, name, slot,
+    offset, size and generation, not who received the handle. (Generations are sequential and
+    slots handed out in order: a same-uid client can guess them.)"""
+    daemon = make_daemon(object_slots=object_slots)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         h = p.put(ARRAY, hash=True)
-        guessed = Handle(pb.Handle(name=h.shm.name, offset=h.shm.offset, nbytes=h.shm.nbytes,
+        guessed = Handle(pb.Handle(name=h.shm.name, offset=h.shm.offset, nbytes=h.shm.nbytes, slot=h.shm.slot,
                                    generation=h.shm.generation, instance_id=h.shm.instance_id),
                          h.dtype, h.shape, h.digest, h.commit_token)
         lease = c.acquire(guessed)
@@ -200,12 +217,15 @@ def test_current_model_a_same_uid_client_holding_all_fields_of_a_valid_handle_ma
         p.release(h, wait=True)
 
 
-def test_a_loan_cannot_be_committed_by_another_client_without_its_secret_commit_token(make_daemon):
-    daemon = make_daemon(commit_wait_s=0.1)  # an Acquire of an uncommitted loan waits this long
+@BOTH_PATHS
+def test_a_loan_cannot_be_committed_by_another_client_without_its_secret_commit_token(make_daemon, object_slots):
+    daemon = make_daemon(commit_wait_s=0.1, object_slots=object_slots)  # an Acquire of a loan waits this long
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         loan = p.loan(64)
         h = Handle(loan.handle.shm, "uint8", (64,), b"", os.urandom(16))
-        with pytest.raises(HandleError):
+        # The daemon refuses a wrong token; an object-table loan commits only in its producer's
+        # shared memory, so a token means nothing to it and the loan stays a loan.
+        with pytest.raises(StateError if loan.handle.shm.slot else HandleError):
             c.acquire(h)
         with pytest.raises(Exception) as info:  # without a token: not committed
             c.acquire(Handle(loan.handle.shm, "uint8", (64,)))

@@ -19,7 +19,9 @@ what the receiver actually got):
   (a Loan RPC through the client) at two occupancies of a daemon's arena.
 * ``daemon_vs_leases``: one client holds N live objects, another N leases on them; a third pair of
   clients measures a 4 KiB put -> acquire -> release lifecycle, the Stat RPC, the daemon's RSS and
-  its CPU per lifecycle (the daemon process's CPU clock).
+  its CPU per lifecycle (the daemon process's CPU clock). Rows say whether the objects lived in the
+  object table (``object_table``): there a lifecycle sends the daemon nothing, so its CPU per
+  lifecycle is only its janitor's share, often 0.
 * ``kernels_vs_size`` / ``masks_vs_bits``: the C kernels' throughput against size (np.copyto as
   the memcpy floor), and the mask kernels against the number of bits.
 
@@ -553,6 +555,7 @@ def daemon_vs_leases(report: Report, counts: tuple[int, ...], lifecycles: int, w
                     leases.extend(got)
                 stat = prod.stat()
                 held_ok = held_ok and stat.live_objects >= count and stat.live_leases >= count
+                in_table = bool(handles[0].shm.slot)
                 for _ in range(10):  # warm-up, and settle queued releases
                     _one_lifecycle(prod, cons, small, small_digest)
                 prod.flush()
@@ -581,11 +584,11 @@ def daemon_vs_leases(report: Report, counts: tuple[int, ...], lifecycles: int, w
                 rss = rss_kib(daemon.pid)
                 extra = {"curve": "daemon_vs_leases", "daemon_rss_mb": round(rss.get("VmRSS", 0) / 1024, 2),
                          "daemon_cpu_us_per_lifecycle": round(cpu / lifecycles * 1e6, 1),
-                         "live_objects": stat.live_objects, "live_leases": stat.live_leases}
+                         "live_objects": stat.live_objects, "live_leases": stat.live_leases, "object_table": in_table}
                 report.add_row("leases_lifecycle_4KiB", samples, flags and held_ok, leases=count, extra=extra)
                 report.add_row("leases_stat_rpc", stat_samples, stat_ok and held_ok, leases=count,
                                extra={"curve": "daemon_vs_leases", "live_objects": stat.live_objects,
-                                      "live_leases": stat.live_leases})
+                                      "live_leases": stat.live_leases, "object_table": in_table})
         finally:
             if leases:
                 holder_c.release_many(leases)  # queued; close() sends them in batches
@@ -610,7 +613,8 @@ def daemon_vs_leases(report: Report, counts: tuple[int, ...], lifecycles: int, w
             entry["growth"] += f"; {per_lease:.0f} bytes of daemon RSS per held object + lease above {xs[0]}"
     report.notes.append(f"daemon_vs_leases: a holder Producer/Consumer pair holds N objects of {HELD_NBYTES} B and N "
                         f"leases; another pair measures put(4 KiB, hash=True) -> acquire -> digest check -> "
-                        f"release x{lifecycles} (releases queued and piggybacked on the next call) and Stat x"
+                        f"release x{lifecycles} (in the object table: shared memory alone; else releases queued "
+                        f"and piggybacked on the next call) and Stat x"
                         f"{stat_calls}; clients in the benchmark process, the daemon in its own")
 
 

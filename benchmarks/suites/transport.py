@@ -57,7 +57,11 @@ def run(quick: bool) -> Report:
         why_not = _ours.import_error()
         if why_not is None:
             try:
-                daemon = _ours.DaemonProcess(os.path.join(workdir, "d.sock"), 2 * max(plan)).start()
+                # Our peers share this daemon, and the harness keeps each consumer's last view until
+                # that peer's next round (its lease stays held meanwhile): room for one object of
+                # the largest size per peer, plus the one being placed.
+                arena = (len(OURS_PEERS) + 1) * max(plan)
+                daemon = _ours.DaemonProcess(os.path.join(workdir, "d.sock"), arena).start()
                 rss["idle_start"] = rss_kib(daemon.pid)
                 peers += OURS_PEERS
             except Exception:  # noqa: BLE001

@@ -72,10 +72,13 @@ def _run_stat(args: argparse.Namespace) -> int:
     print(f"arena           {s.arena.nbytes / mib:.1f} MiB")
     print(f"used / free     {s.used_nbytes / mib:.1f} MiB / {s.free_nbytes / mib:.1f} MiB")
     print(f"largest free    {s.largest_free_nbytes / mib:.1f} MiB in {s.free_extents} extent(s)")
-    print(f"objects/leases  {s.live_objects} / {s.live_leases}")
+    print(f"granted         {s.granted_nbytes / mib:.1f} MiB to producers (placed in shared memory)")
+    print(f"objects/leases  {s.live_objects} / {s.live_leases} ({s.table_objects} objects in the object table, "
+          f"{s.handoff_objects} waiting for a first acquire)")
     print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")
     print(f"reclaimed (TTL) {s.reclaimed_ttl_leases} leases, {s.reclaimed_ttl_nbytes} bytes")
     print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_nbytes} bytes")
+    print(f"reclaimed (hand-off window) {s.reclaimed_handoff_objects} objects, {s.reclaimed_handoff_nbytes} bytes")
     print(f"quarantined     {s.quarantined_leases} expired leases of live clients, {s.quarantined_nbytes} bytes "
           f"({s.quarantined_leases_total} ever)")
     print(f"tenant quota    {s.quota_nbytes / mib:.1f} MiB ({s.dedicated_nbytes / mib:.1f} MiB in dedicated "

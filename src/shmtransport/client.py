@@ -465,7 +465,7 @@ class _Client:
 
     _writable = False
     MAX_QUEUED_RELEASES = 256
-    GRANT_RETURN_DELAY_S = 0.1  # how often a producer looks for grants to give back while it has some
+    GRANT_RETURN_DELAY_S = 0.1  # how often a producer with grants looks for ones to give back
 
     def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0, release_delay_s: float = 0.02,
                  *, daemon_uid: int | None = None):
@@ -636,7 +636,8 @@ class _Client:
             self._timer.daemon = True
             self._timer.start()
         elif self._timer is None and self._surplus_grants():
-            self._timer = threading.Timer(self.GRANT_RETURN_DELAY_S, self._flush_quietly)
+            delay = 0.0 if self._tables.give_back else self.GRANT_RETURN_DELAY_S  # returns go at once
+            self._timer = threading.Timer(delay, self._flush_quietly)
             self._timer.daemon = True
             self._timer.start()
 
@@ -672,13 +673,7 @@ class _Client:
             tables.collect()
             give_back, tables.give_back = tables.give_back, []
         if give_back:
-            try:
-                self._call("Grant", pb.GrantRequest(give_back=give_back))
-            except BaseException:
-                with self._lock:
-                    if tables is self._tables:
-                        tables.give_back.extend(give_back)
-                raise
+            self._call("Grant", pb.GrantRequest(give_back=give_back))
 
     def _requeue_deferred(self, force: bool) -> None:
         with self._lock:
@@ -801,6 +796,7 @@ class Producer(_Client):
                                 generation=obj.generation, instance_id=hello["instance_id"], slot=obj.slot + 1)
                 loans.append(Loan(self, Handle(shm, dt, shape), mapping.view(obj.offset, obj.nbytes)[:nbytes],
                                   (tables, obj)))
+            self._schedule_flush()  # idle grants go back in the background
             return loans
 
     def commit_many(
@@ -980,6 +976,8 @@ class Consumer(_Client):
                 )
         sizes = [_check_manifest(h) for h in handles]
         leases: list[Lease | None] = [None] * len(handles)
+        if self._deferred:
+            self._requeue_deferred(force=False)  # releases whose views are gone by now
         with self._lock:
             tables = self._table_client()
             if tables is not None:

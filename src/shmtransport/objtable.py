@@ -80,7 +80,8 @@ class ObjectTable:
         self._ok(self._lib.shmt_slot_commit(self._ptr, self.nslots, index, generation, bit, deadline_ns, hold), index)
 
     def acquire(self, index: int, generation: int, offset: int, nbytes: int, bit: int) -> SlotStatus:
-        return self._status(self._lib.shmt_slot_acquire(self._ptr, self.nslots, index, generation, offset, nbytes, bit))
+        rc = self._lib.shmt_slot_acquire(self._ptr, self.nslots, index, generation, offset, nbytes, bit)
+        return SlotStatus.OK if rc == 0 else self._status(rc)
 
     def release(self, index: int, generation: int, bit: int, cancel_handoff: bool = False) -> int:
         """Drop ``bit``; the holders left (0: the object is dead, its slot and bytes reusable)."""
@@ -120,9 +121,8 @@ class ObjectTable:
         return SlotStatus(rc)
 
     def _ok(self, rc: int, index: int) -> None:
-        status = self._status(rc)
-        if status is not SlotStatus.OK:
-            raise_for(status, index)
+        if rc != 0:
+            raise_for(self._status(rc), index)
 
 
 def raise_for(status: SlotStatus, index: int, what: str = "") -> None:

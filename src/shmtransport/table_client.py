@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from typing import Callable
 
@@ -36,11 +37,17 @@ def _step(name: str) -> None:
 
 SLOT_PER_NBYTES = 4096  # a standard grant carries one slot per this many bytes
 MIN_GRANT_NBYTES = 64 * 1024
-MAX_GRANT_NBYTES = 64 << 20
-KEEP_GRANTS = 2  # standard grants kept when empty (the rest go back to the daemon)
+MAX_GRANT_NBYTES = 16 << 20
+GRANT_ARENA_FRACTION = 64  # a standard grant is this fraction of the arena (within the bounds above)
+# A busy producer keeps its empty standard grants (as many as its peak of bytes in flight: a new
+# grant costs a round trip); once idle this long it gives them back, since space it holds empty is
+# space other producers cannot use.
+IDLE_RETURN_S = 0.5
 
 GrantCall = Callable[[int, int, list, int], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms)
-GRANT_POLL_S = 0.05  # a producer waiting for space looks at its own grants this often
+# A producer waiting for space looks at its own grants again after waits growing from the first to
+# the last (its consumers free space in its grants without telling the daemon).
+GRANT_POLL_S = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 
 
 @dataclasses.dataclass
@@ -51,7 +58,7 @@ class _Grant:
     allocator: Allocator
     free_slots: collections.deque
     nslots: int
-    oversized: bool  # made for one object larger than a standard grant
+    single: bool  # made for one object larger than a standard grant: given back with it
 
     @property
     def empty(self) -> bool:
@@ -85,20 +92,23 @@ class TableClient:
         self.handoff_window_ns = handoff_window_ms * 1_000_000
         self.max_hold_ms = max_hold_ms
         self._grant_rpc = grant
-        self.standard_grant_nbytes = min(arena_nbytes, max(MIN_GRANT_NBYTES, min(MAX_GRANT_NBYTES, arena_nbytes // 16)))
+        self.standard_grant_nbytes = min(arena_nbytes, max(MIN_GRANT_NBYTES, min(MAX_GRANT_NBYTES,
+                                                                             arena_nbytes // GRANT_ARENA_FRACTION)))
         self.standard_grant_nbytes = self.standard_grant_nbytes // PAGE * PAGE
         self._grants: list[_Grant] = []
         self._placed: dict[int, Placed] = {}  # slot -> object whose bytes are this producer's
         self._released: dict[int, Placed] = {}  # of those, the ones others still hold
         self._leases: dict[tuple[int, int], int] = {}  # (slot, generation) -> leases in this client
         self.give_back: list[int] = []  # grant ids to return with the next Grant call
+        self._placed_at = 0.0  # monotonic time of the last placement
 
     # -- producer --------------------------------------------------------------------------------
     def place(self, sizes: list[int], wait_s: float = 0.0) -> list[Placed]:
         """Loans for every size, all or nothing; waits up to ``wait_s`` for space (back-pressure:
         freed by this producer's consumers or by other producers) before ResourceExhausted."""
         placed: list[Placed] = []
-        deadline = time.monotonic() + wait_s
+        self._placed_at = time.monotonic()
+        deadline = self._placed_at + wait_s
         try:
             for nbytes in sizes:
                 placed.append(self._place_one(nbytes, deadline))
@@ -109,18 +119,17 @@ class TableClient:
         return placed
 
     def _place_one(self, nbytes: int, deadline: float) -> Placed:
-        while True:
+        for attempt in itertools.count():
             obj = self._try_place(nbytes)
             if obj is None:
                 self.collect()
                 obj = self._try_place(nbytes)
             if obj is not None:
                 return obj
-            # The daemon waits for space others free; this producer's own consumers free space in
-            # its grants without telling the daemon, so it looks again between short waits.
             remaining = deadline - time.monotonic()
+            wait_s = max(0.0, min(remaining, GRANT_POLL_S[min(attempt, len(GRANT_POLL_S) - 1)]))
             try:
-                self._new_grant(nbytes, int(max(0.0, min(remaining, GRANT_POLL_S)) * 1000))
+                self._new_grant(nbytes, int(wait_s * 1000))
             except ResourceExhausted:
                 if self._give_back_empty():
                     continue  # this producer's own idle grants were in the way
@@ -142,7 +151,7 @@ class TableClient:
 
     def _try_place(self, nbytes: int) -> Placed | None:
         for grant in reversed(self._grants):
-            if not grant.free_slots or grant.allocator.largest_free_nbytes < nbytes:
+            if not grant.free_slots or grant.allocator.largest_free_nbytes < nbytes or (grant.single and not grant.empty):
                 continue
             try:
                 local = grant.allocator.allocate(nbytes)
@@ -165,12 +174,10 @@ class TableClient:
         oversized = nbytes > self.standard_grant_nbytes
         size = -(-nbytes // PAGE) * PAGE if oversized else self.standard_grant_nbytes
         nslots = 64 if oversized else max(64, size // SLOT_PER_NBYTES)
+        # Given back once sent, whatever the reply: the daemon applies returns before it allocates
+        # (and orphans every grant of a session that ends anyway).
         give_back, self.give_back = self.give_back, []
-        try:
-            response = self._grant_rpc(size, nslots, give_back, wait_ms)
-        except BaseException:
-            self.give_back = give_back + self.give_back
-            raise
+        response = self._grant_rpc(size, nslots, give_back, wait_ms)
         _step("t_after_grant")
         slots = collections.deque(range(response.first_slot, response.first_slot + response.nslots))
         self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes,
@@ -201,37 +208,40 @@ class TableClient:
         remaining = self.table.release(obj.slot, obj.generation, self.bit, cancel)
         _step("t_after_release")
         obj.held = False
-        if remaining == 0:
+        if obj.grant.single:
+            # A large object's own grant goes back now, alive or not: the daemon frees it once the
+            # object died (at once, or when its consumers release), so large objects of several
+            # producers do not wait for each other's idle time.
+            del self._placed[obj.slot]
+            self._grants.remove(obj.grant)
+            self.give_back.append(obj.grant.grant_id)
+        elif remaining == 0:
             self._reclaim(obj)
         else:
             self._released[obj.slot] = obj
 
     def collect(self) -> int:
-        """Take back the bytes of every placed object that died; return empty grants beyond the
-        ones kept. The bytes reclaimed."""
+        """Take back the bytes of every placed object that died; once idle, queue the empty grants
+        to give back. The bytes reclaimed."""
         holders = self.table.columns["holders"]
         freed = 0
         for obj in list(self._released.values()):
             if holders[obj.slot] == 0:
                 freed += obj.nbytes
                 self._reclaim(obj)
-        kept = 0
-        for grant in reversed(list(self._grants)):
-            if not grant.empty:
-                continue
-            if grant.oversized or kept >= KEEP_GRANTS:
+        if time.monotonic() - self._placed_at < IDLE_RETURN_S:
+            return freed
+        for grant in list(self._grants):
+            if grant.empty:
                 self._grants.remove(grant)
                 self.give_back.append(grant.grant_id)
-            else:
-                kept += 1
         return freed
 
     @property
     def has_surplus(self) -> bool:
-        """Whether ``collect`` may have grants to return (the owner then collects in the background)."""
-        if self.give_back:
-            return True
-        return bool(self._released) and (len(self._grants) > KEEP_GRANTS or any(g.oversized for g in self._grants))
+        """Whether ``collect`` may have grants to return, now or once this producer is idle (its
+        owner then collects in the background)."""
+        return bool(self.give_back or self._grants)
 
     def _reclaim(self, obj: Placed) -> None:
         del self._placed[obj.slot]

@@ -486,18 +486,50 @@ def settle_daemon(daemon: "Daemon", max_leases: int = 0, max_objects: int | None
 def describe_daemon_state(daemon: "Daemon", stat=None) -> str:
     """``Daemon(...) holds 2 live objects (8192 bytes), 1 live lease; by client: ...``"""
     s = stat if stat is not None else daemon.stat()
-    lines = [
-        f"{daemon!r} holds {s.live_objects} live object(s) ({s.used_nbytes} bytes), {s.live_leases} live lease(s)"
-    ]
+    head = f"{daemon!r} holds {s.live_objects} live object(s) ({s.used_nbytes} bytes), {s.live_leases} live lease(s)"
+    if s.handoff_objects:
+        head += f"; {s.handoff_objects} committed object(s) in hand-off, waiting for a first acquire"
+    lines = [head]
+    in_table = _table_holdings(daemon, s.clients)
     for c in s.clients:
-        if not (c.leases or c.loaned_nbytes or c.committed_nbytes):
+        t_leases, t_loaned, t_committed = in_table.get(c.session_id, (0, 0, 0))
+        leases, loaned, committed = c.leases + t_leases, c.loaned_nbytes + t_loaned, c.committed_nbytes + t_committed
+        if not (leases or loaned or committed):
             continue
         who = "this process" if c.pid == os.getpid() else f"pid {c.pid}"
         lines.append(
-            f"    client {c.session_id[:12]} ({who}): {c.leases} lease(s), "
-            f"{c.loaned_nbytes} bytes loaned, {c.committed_nbytes} bytes committed"
+            f"    client {c.session_id[:12]} ({who}): {leases} lease(s), "
+            f"{loaned} bytes loaned, {committed} bytes committed"
         )
     return "\n".join(lines)
+
+
+def _table_holdings(daemon: "Daemon", clients) -> dict[str, tuple[int, int, int]]:
+    """session id -> (leases, bytes loaned, bytes committed) it holds with its bit in the default
+    tenant's object table: ``ClientStat`` counts only the objects the daemon keeps itself. An
+    object whose producer's bit is set is that producer's; any other bit on it is a lease."""
+    book = daemon.tenants[0].objects if daemon.tenants else None
+    if book is None:
+        return {}
+    import numpy as np
+
+    from .objtable import LOANED
+
+    cols = book.table.columns
+    holders = cols["holders"].copy()  # one read: the words keep changing under us
+    holdings = {}
+    for c in clients:
+        bit = book.bit_of(c.session_id)
+        if bit is None:
+            continue
+        held = (holders & np.uint64(1 << bit)) != 0
+        own = held & (cols["owner"] == bit)
+        holdings[c.session_id] = (
+            int((held & ~own).sum()),
+            int(cols["nbytes"][own & (cols["state"] == LOANED)].sum()),
+            int(cols["nbytes"][own & (cols["state"] != LOANED)].sum()),
+        )
+    return holdings
 
 
 def _indent(text: str, by: str = "    ") -> str:

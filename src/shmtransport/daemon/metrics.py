@@ -6,6 +6,7 @@ for ``"127.0.0.1:PORT"``.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import socket
@@ -22,11 +23,14 @@ from ..errors import InvalidArgument, PermissionDenied
 
 _GAUGES = {
     "used_nbytes": "Arena bytes held by live objects",
-    "free_nbytes": "Arena bytes free",
+    "free_nbytes": "Arena bytes neither used nor granted",
+    "granted_nbytes": "Arena bytes granted to producers for the object table (their objects count in used too)",
     "largest_free_nbytes": "Largest free extent in bytes",
     "free_extents": "Number of free extents (fragmentation)",
     "live_objects": "Live allocations",
     "live_leases": "Live consumer leases",
+    "table_objects": "Live objects in the object table (counted in live_objects)",
+    "handoff_objects": "Committed objects in the object table waiting for a first acquire",
     "quarantined_leases": "Leases past their TTL whose client lives: bytes kept, never reused under a view",
     "quarantined_nbytes": "Bytes under quarantined leases",
     "dedicated_nbytes": "Bytes in dedicated segments (outside the arena)",
@@ -41,6 +45,8 @@ _COUNTERS = {
     "quarantined_leases_total": "Leases quarantined after outliving their TTL",
     "reclaimed_death_nbytes": "Bytes freed because their holder's session died",
     "reclaimed_death_leases": "Leases dropped because their holder's session died",
+    "reclaimed_handoff_objects": "Committed objects reclaimed because nobody acquired them within the hand-off window",
+    "reclaimed_handoff_nbytes": "Bytes of the objects reclaimed at the end of their hand-off window",
     "sessions_total": "Client sessions opened",
 }
 UNIX_PREFIX = "unix:"
@@ -58,13 +64,18 @@ class _DaemonCollector:
         gauges = {f: GaugeMetricFamily(f"shmtransport_{f}", doc, labels=["tenant"]) for f, doc in _GAUGES.items()}
         counters = {f: CounterMetricFamily(f"shmtransport_{f.removesuffix('_total')}", doc, labels=["tenant"])
                     for f, doc in _COUNTERS.items()}
-        per_client = GaugeMetricFamily("shmtransport_client_leases", "Live leases by client", labels=["tenant", "pid"])
+        per_client = GaugeMetricFamily("shmtransport_client_leases",
+                                       "Live leases the daemon holds, by client process", labels=["tenant", "pid"])
         for tenant_stat in stats:
             arena.add_metric([tenant_stat.tenant], tenant_stat.arena.nbytes)
             for field, family in (*gauges.items(), *counters.items()):
                 family.add_metric([tenant_stat.tenant], getattr(tenant_stat, field))
+            # One sample per process: its sessions (a Producer and a Consumer, say) share the labels.
+            leases_by_pid = collections.Counter()
             for client in tenant_stat.clients:
-                per_client.add_metric([tenant_stat.tenant, str(client.pid)], client.leases)
+                leases_by_pid[client.pid] += client.leases
+            for pid, leases in leases_by_pid.items():
+                per_client.add_metric([tenant_stat.tenant, str(pid)], leases)
         yield arena
         yield from gauges.values()
         yield from counters.values()

@@ -72,6 +72,7 @@ class ObjectBook:
         self.counters = {"reclaimed_handoff_objects": 0, "reclaimed_handoff_nbytes": 0,
                          "reclaimed_death_objects": 0, "grants_total": 0}
         self._allocation_samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._next_handoff_scan = self._next_rate_sample = 0.0
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, session_id: str) -> int | None:
@@ -126,19 +127,25 @@ class ObjectBook:
 
     def give_back(self, session_id: str, grant_ids, release_bytes) -> None:
         """A producer returns grants it no longer places objects in; objects still alive in
-        them keep the grant (orphaned) until they die."""
-        for grant_id in grant_ids:
-            grant = self._grants.get(grant_id)
-            if grant is None or grant.session_id != session_id:
+        them keep the grant (orphaned) until they die. Returning one twice is harmless (a retried
+        call); returning another session's is refused, before anything is returned."""
+        grants = [self._grants.get(grant_id) for grant_id in grant_ids]
+        for grant_id, grant in zip(grant_ids, grants):
+            if grant is not None and grant.session_id not in (session_id, None):
                 raise OwnershipError(f"grant {grant_id} is not this session's")
-            grant.session_id = None
+        for grant in grants:
+            if grant is not None and grant.session_id == session_id:
+                grant.session_id = None
         self.reclaim_orphans(release_bytes)
 
     def reclaim_orphans(self, release_bytes) -> int:
         """Free every orphaned grant whose objects are all dead; the bytes returned."""
+        orphans = [g for g in self._grants.values() if g.session_id is None]
+        if not orphans:
+            return 0
         holders = self.table.columns["holders"]
         freed = 0
-        for grant in [g for g in self._grants.values() if g.session_id is None]:
+        for grant in orphans:
             if holders[grant.first_slot:grant.first_slot + grant.nslots].any():
                 continue
             del self._grants[grant.grant_id]
@@ -150,6 +157,24 @@ class ObjectBook:
     @property
     def granted_nbytes(self) -> int:
         return sum(g.nbytes for g in self._grants.values())
+
+    # -- the janitor -----------------------------------------------------------------------------
+    # Scans of the whole table are paced: a hand-off window of seconds needs no finer clock, and
+    # idle daemons should cost nothing measurable per object (the tick itself is 50 ms).
+    HANDOFF_SCAN_S = 0.25
+    RATE_SAMPLE_S = 0.5
+
+    def sweep(self, now: float, release_bytes, rate_window_s: float) -> None:
+        """One janitor tick: orphaned grants every tick, hand-off windows and the allocation rate
+        at their own pace."""
+        self.reclaim_orphans(release_bytes)
+        if now >= self._next_handoff_scan:
+            self._next_handoff_scan = now + self.HANDOFF_SCAN_S
+            if self.expire_handoffs():
+                self.reclaim_orphans(release_bytes)
+        if now >= self._next_rate_sample:
+            self._next_rate_sample = now + self.RATE_SAMPLE_S
+            self.sample_allocations(rate_window_s)
 
     # -- the hand-off window ---------------------------------------------------------------------
     def expire_handoffs(self, now_ns: int | None = None) -> int:

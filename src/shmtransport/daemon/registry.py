@@ -238,7 +238,8 @@ class Registry:
                     if remaining <= 0 or nbytes > min(self.allocator.nbytes, self.quota_nbytes):
                         self.counters["allocation_failures"] += 1
                         raise
-                    self._freed.wait(min(remaining, 0.05))  # orphans die without telling anyone
+                    # Orphans die without telling anyone (their consumers release in shared memory).
+                    self._freed.wait(min(remaining, 0.005))
             try:
                 return self.objects.grant(session_id, offset, nbytes, nslots)
             except BaseException:
@@ -595,9 +596,7 @@ class Registry:
                             self.counters["reclaimed_handoff_objects"] += 1
                             self.counters["reclaimed_handoff_nbytes"] += freed
             if self.objects is not None:
-                self.objects.expire_handoffs()
-                self.objects.reclaim_orphans(self._free_granted)
-                self.objects.sample_allocations(_RATE_WINDOW_S)
+                self.objects.sweep(now, self._free_granted, _RATE_WINDOW_S)
             # Released leases leave their deadline behind (lazy deletion); rebuild the heap when
             # such stale entries dominate, so memory follows what is live, not the TTL x rate.
             if len(self._deadlines) > 4 * (len(self._leases) + len(self._objects)) + 4096:
