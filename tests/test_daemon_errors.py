@@ -174,6 +174,20 @@ def test_handle_whose_nbytes_differs_from_the_allocation_is_refused_as_out_of_bo
     producer.release(handle, wait=True)
 
 
+def test_the_daemons_second_hold_of_an_object_checks_the_bytes_the_handle_names(served, producer, consumer):
+    """The daemon's Acquire (as clients without a holder bit use it) of an object it already holds
+    for someone: a handle with that object's slot and generation but other bytes is refused."""
+    first, second = producer.put(ARRAY), producer.put(ARRAY)
+    [lease_id] = consumer._call("Acquire", pb.AcquireRequest(handles=[second.shm])).lease_ids
+    for field, value in (("offset", first.shm.offset), ("nbytes", second.nbytes + 4096)):
+        with pytest.raises(HandleError) as info:
+            consumer._call("Acquire", pb.AcquireRequest(handles=[forged(second, **{field: value}).shm]))
+        assert info.value.reason in (Reason.OUT_OF_BOUNDS, Reason.STALE_HANDLE), (field, info.value)
+    assert served.stat().live_leases == 1
+    consumer._call("Release", pb.ReleaseRequest(lease_ids=[lease_id]))
+    producer.release([first, second], wait=True)
+
+
 def test_handle_whose_manifest_does_not_match_its_nbytes_is_refused_before_any_call(producer, consumer):
     handle = producer.put(ARRAY)
     lying = Handle(handle.shm, "float64", handle.shape)  # 8000 bytes claimed, 4000 allocated

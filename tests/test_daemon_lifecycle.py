@@ -614,7 +614,7 @@ def test_a_producer_waiting_on_a_full_arena_gets_the_space_its_own_consumer_rele
         leases = consumer.acquire_many(handles)
         producer.release(handles, wait=True)  # only the consumer holds the bytes now
         assert daemon.stat().free_nbytes == 0
-        timer = threading.Timer(0.2, lambda: consumer.release_many(leases[:1], wait=True))
+        timer = threading.Timer(0.2, consumer.release_many, (leases[:1],), {"wait": True})
         timer.start()
         try:
             handle = producer.put(np.ones(size, dtype=np.uint8))  # back-pressure, then success

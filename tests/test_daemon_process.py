@@ -231,14 +231,10 @@ def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(s
         # slot, generation and offset the old handle names.
         fresh = call_until_connected(lambda: producer.put(np.arange(1000), hash=True))
         assert fresh.shm.instance_id == consumer.instance_id
-        if has_table(object_slots):
-            # Released in shared memory, without asking the daemon: the old handle's object went
-            # with its daemon, so there is nothing to release, and nothing of the new daemon's.
-            producer.release(handle)
-        else:
-            with pytest.raises(Unavailable) as info:
-                producer.release(handle, wait=True)
-            assert info.value.reason is Reason.INSTANCE_MISMATCH
+        # Refused on both paths, and never taken for the new daemon's object in the same slot.
+        with pytest.raises(Unavailable) as info:
+            producer.release(handle, wait=True)
+        assert info.value.reason is Reason.INSTANCE_MISMATCH
         lease = consumer.acquire(fresh)
         lease.verify()
         consumer.release_many([lease], wait=True)

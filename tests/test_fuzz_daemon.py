@@ -1,16 +1,19 @@
 """Fuzzing every daemon RPC handler and handle resolution through a raw gRPC channel that carries a
 valid session token: random protobuf bytes and random field values (forged names, offsets,
-generations, sizes, lease ids, commit tokens, piggybacked releases).
+generations, sizes, object-table slots, lease ids, commit tokens, grants, piggybacked releases).
 
 Invariants, per input: the answer is OK or a typed status (``<reason>: ...`` with the reason's own
 code; never ``internal``, which is an unexpected exception in a handler) - bytes that do not even
 parse as the request message may get gRPC's own refusal; an OK Loan names bytes inside the arena of
-the requested size; an OK Acquire names live allocations of the right generation; the daemon still
-answers Stat after every input and serves a good round trip at the end; another session's objects
-are never committed, released or freed by the fuzzing session.
+the requested size; an OK Grant names arena bytes and table slots that exist; an OK Acquire names
+live allocations (or object-table slots, then held with the daemon's proxy bit) of the right
+generation, offset and size; the daemon still answers Stat after every input and serves a good
+round trip at the end; another session's objects, of the RPC registry or the object table, are
+never committed, released or freed by the fuzzing session.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -26,6 +29,7 @@ from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.daemon.registry import ObjState
 from shmtransport.daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
 from shmtransport.errors import Reason, ShmTransportError, _TABLE
+from shmtransport.objtable import COMMITTED, HELD, LOANED
 from shmtransport.v1 import daemon_pb2 as pb
 
 TIMEOUT_S = 5.0
@@ -35,9 +39,11 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="FUZZ_EXAMPLES
                                        HealthCheck.data_too_large])
 CORPUS = pathlib.Path(__file__).parent / "fuzz_corpus" / "rpc"
 ARENA = 1 << 20
-REQUESTS = {"Info": pb.InfoRequest, "Loan": pb.LoanRequest, "Commit": pb.CommitRequest,
+# Objects committed by sessions that then close are handed off: short, so that they are gone by teardown.
+HANDOFF_WINDOW_MS = 100
+REQUESTS = {"Info": pb.InfoRequest, "Loan": pb.LoanRequest, "Grant": pb.GrantRequest, "Commit": pb.CommitRequest,
             "Acquire": pb.AcquireRequest, "Release": pb.ReleaseRequest, "Stat": pb.StatRequest}
-RESPONSES = {"Info": pb.ArenaInfo, "Loan": pb.LoanResponse, "Commit": pb.CommitResponse,
+RESPONSES = {"Info": pb.ArenaInfo, "Loan": pb.LoanResponse, "Grant": pb.GrantResponse, "Commit": pb.CommitResponse,
              "Acquire": pb.AcquireResponse, "Release": pb.ReleaseResponse, "Stat": pb.StatResponse}
 U64 = (1 << 64) - 1
 U32 = (1 << 32) - 1
@@ -100,9 +106,20 @@ def check_answer(daemon, method: str, payload: bytes, code, details: str, body) 
             assert h.nbytes == n >= 1
             if h.name == daemon.segment_names[0]:
                 assert h.offset + h.nbytes <= ARENA, f"a loan outside the arena: {h}"
+    elif method == "Grant":
+        if response.grant_id:
+            assert response.nbytes >= request.nbytes and response.offset + response.nbytes <= ARENA, response
+            assert response.nslots >= request.nslots
+            assert response.first_slot + response.nslots <= registry.objects.nslots
     elif method == "Acquire":
         assert len(response.lease_ids) == len(request.handles)
         for h in request.handles:
+            if h.slot:  # held with the daemon's proxy bit: the slot holds exactly this object
+                slot = registry.objects.table.columns[h.slot - 1].copy()  # no view of the mapping left behind
+                assert (slot["generation"], slot["offset"], slot["nbytes"]) == (h.generation, h.offset, h.nbytes), h
+                assert slot["state"] in (COMMITTED, HELD) and slot["holders"] != 0
+                assert h.name == daemon.segment_names[0] and h.offset + h.nbytes <= ARENA
+                continue
             obj = registry._objects.get(h.offset)
             assert obj is not None and obj.generation == h.generation and obj.nbytes == h.nbytes, h
             assert obj.state is ObjState.COMMITTED
@@ -131,7 +148,8 @@ def _grpc_deserialization_state():
 
 @pytest.fixture
 def fuzz_daemon(make_daemon):
-    daemon = make_daemon(arena_nbytes=ARENA, max_alloc_wait_ms=20, commit_wait_s=0.02, quota_leases=1000)
+    daemon = make_daemon(arena_nbytes=ARENA, max_alloc_wait_ms=20, commit_wait_s=0.02, quota_leases=1000,
+                         handoff_window_ms=HANDOFF_WINDOW_MS)
     yield daemon
     # still serving: a good round trip on fresh clients, bytes verified
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
@@ -143,24 +161,55 @@ def fuzz_daemon(make_daemon):
         del lease
 
 
+def assert_untouched(daemon, loan: pb.Handle, committed: pb.Handle, owner_bit: int | None) -> None:
+    """The victim's loan is still its uncommitted loan, and its committed object still holds its
+    producer reference (in the RPC registry, or its bit in the object table)."""
+    if loan.slot:
+        table = daemon.registry.objects.table.columns.copy()  # no view of the mapping left behind
+        for h in (loan, committed):
+            slot = table[h.slot - 1]
+            assert slot["generation"] == h.generation, f"victim's object in slot {h.slot} was freed"
+            assert int(slot["holders"]) >> owner_bit & 1, f"victim's reference in slot {h.slot} was released"
+        assert table[loan.slot - 1]["state"] == LOANED, "victim's loan was committed by someone else"
+        return
+    objs = daemon.registry._objects
+    assert loan.offset in objs and objs[loan.offset].generation == loan.generation, "victim's loan was freed"
+    assert objs[loan.offset].state is ObjState.LOANED, "victim's loan was committed by someone else"
+    assert objs[committed.offset].producer_ref, "victim's producer reference was released by someone else"
+
+
+@dataclasses.dataclass
+class Sessions:
+    attacker: RawSession
+    seeds: list  # handles of the victims' objects and of the attacker's own
+    tokens: list  # commit tokens of the RPC loans among them
+    table_seeds: list  # the object-table victim's (of the registry under the pure-Python backend)
+
+
 @pytest.fixture
 def sessions(fuzz_daemon):
-    """(attacker, victim, the victim's objects): the victim holds a loan and a committed object."""
+    """The attacker and what it may forge from: a raw victim session holds a loan and a committed
+    object of the RPC registry, a Producer a loan and a committed object of the object table
+    (under the C backend; of the registry otherwise)."""
     attacker, victim = RawSession(fuzz_daemon.socket_path), RawSession(fuzz_daemon.socket_path)
+    table_victim = Producer(fuzz_daemon.socket_path, timeout_s=TIMEOUT_S)
     loaned = victim.call("Loan", pb.LoanRequest(nbytes=[4096, 64]))
     victim.call("Commit", pb.CommitRequest(handles=[loaned.handles[1]]))
+    table_loan = table_victim.loan(4096)
+    table_committed = table_victim.put(np.arange(16, dtype=np.uint8))
     own = attacker.call("Loan", pb.LoanRequest(nbytes=[100, 65536, 1]))
     attacker.call("Commit", pb.CommitRequest(handles=[own.handles[0]]))
-    seeds = list(loaned.handles) + list(own.handles)
-    yield attacker, victim, loaned, seeds, list(own.commit_tokens) + list(loaned.commit_tokens)
-    # the victim's objects were neither committed, released nor freed by the attacker
-    objs = fuzz_daemon.registry._objects
-    vl, vc = loaned.handles
-    assert vl.offset in objs and objs[vl.offset].generation == vl.generation, "victim's loan was freed"
-    assert objs[vl.offset].state is ObjState.LOANED, "victim's loan was committed by someone else"
-    assert objs[vc.offset].producer_ref, "victim's producer reference was released by someone else"
+    table_seeds = [table_loan.handle.shm, table_committed.shm]
+    yield Sessions(attacker, list(loaned.handles) + list(own.handles) + table_seeds,
+                   list(own.commit_tokens) + list(loaned.commit_tokens), table_seeds)
+    # the victims' objects were neither committed, released nor freed by the attacker
+    assert_untouched(fuzz_daemon, *loaned.handles, None)
+    assert_untouched(fuzz_daemon, table_loan.handle.shm, table_committed.shm, table_victim._conn.holder_bit)
     attacker.close()
     victim.close()
+    table_loan.release()
+    table_victim.release(table_committed)
+    table_victim.close()
 
 
 def _handles(seeds):
@@ -183,8 +232,10 @@ def _handles(seeds):
                   st.one_of(st.text(max_size=40), st.just("../../etc/passwd"), st.just("x"))),
         st.builds(lambda s, i: mutate(s, instance_id=i), seed, st.text(max_size=14)),
         st.builds(lambda s, o: mutate(s, owner_id=o), seed, st.text(max_size=16)),
+        st.builds(lambda s, i: mutate(s, slot=i), seed, st.one_of(st.integers(0, 70), st.just(U32))),
         st.builds(pb.Handle, name=st.text(max_size=8), offset=st.integers(0, U64), nbytes=st.integers(0, U64),
-                  owner_id=st.text(max_size=8), generation=st.integers(0, U64), instance_id=st.text(max_size=8)),
+                  owner_id=st.text(max_size=8), generation=st.integers(0, U64), instance_id=st.text(max_size=8),
+                  slot=st.integers(0, U32)),
     )
 
 
@@ -206,6 +257,10 @@ def _requests(seeds, tokens):
             lambda n, w, r: with_release(pb.LoanRequest(nbytes=n, wait_ms=w), r),
             st.lists(st.one_of(st.integers(0, 70000), st.integers(0, U64), st.just(ARENA), st.just(ARENA + 1)),
                      max_size=4), st.integers(0, 30), rel)),
+        st.tuples(st.just("Grant"), st.builds(
+            lambda n, s, w, back: pb.GrantRequest(nbytes=n, nslots=s, wait_ms=w, give_back=back),
+            st.one_of(st.integers(0, ARENA + 1), st.just(U64)), st.one_of(st.integers(0, 200), st.just(U32)),
+            st.integers(0, 30), st.lists(st.one_of(st.integers(0, 8), st.just(U64)), max_size=3))),
         st.tuples(st.just("Commit"), st.builds(
             lambda hs, hold, r: with_release(pb.CommitRequest(handles=hs, hold_ms=hold), r),
             st.lists(_handles(seeds), max_size=3), st.one_of(st.integers(0, 50), st.just(U32)), rel)),
@@ -221,11 +276,11 @@ def _requests(seeds, tokens):
 
 def test_random_field_values_in_every_rpc_get_typed_answers_and_never_touch_another_sessions_objects(
         fuzz_daemon, sessions):
-    attacker, victim, _, seeds, tokens = sessions
+    attacker = sessions.attacker
     verdicts: dict = {}
 
     @FUZZ
-    @given(_requests(seeds, tokens))
+    @given(_requests(sessions.seeds, sessions.tokens))
     def run(case):
         method, request = case
         payload = request.SerializeToString()
@@ -242,8 +297,30 @@ def test_random_field_values_in_every_rpc_get_typed_answers_and_never_touch_anot
     attacker.close()
 
 
+def test_mutated_object_table_handles_in_the_daemons_acquire_get_typed_answers_or_exactly_their_object(
+        fuzz_daemon, sessions):
+    """The daemon's proxy path, as clients without a holder bit take it: Acquire of the table
+    victim's handles with one field forged, from a session that never mapped the table."""
+    attacker = sessions.attacker
+    verdicts = set()
+
+    @FUZZ
+    @given(_handles(sessions.table_seeds))
+    def run(handle):
+        payload = pb.AcquireRequest(handles=[handle]).SerializeToString()
+        code, details, body = attacker.raw("Acquire", payload)
+        verdicts.add(check_answer(fuzz_daemon, "Acquire", payload, code, details, body))
+        if code is grpc.StatusCode.OK:
+            lease_ids = pb.AcquireResponse.FromString(body).lease_ids
+            attacker.call("Release", pb.ReleaseRequest(lease_ids=lease_ids))
+        assert attacker.raw("Stat", b"")[0] is grpc.StatusCode.OK, "the daemon stopped answering"
+
+    run()
+    assert "ok" in verdicts and len(verdicts) > 1, verdicts  # it reached both the holds and the refusals
+
+
 def test_random_protobuf_bytes_to_every_rpc_get_typed_answers_or_a_grpc_refusal(fuzz_daemon, sessions):
-    attacker = sessions[0]
+    attacker = sessions.attacker
 
     @FUZZ
     @given(st.sampled_from(sorted(REQUESTS)), st.binary(max_size=200))
@@ -256,36 +333,55 @@ def test_random_protobuf_bytes_to_every_rpc_get_typed_answers_or_a_grpc_refusal(
 
 
 def test_forged_handles_through_the_client_give_typed_errors_or_exactly_the_named_bytes(fuzz_daemon):
-    """Handle resolution end to end: Consumer.acquire of a forged handle raises a typed error, or
-    (when the forgery happens to name a live committed object exactly) returns that object's bytes."""
+    """Handle resolution end to end: Consumer.acquire of a forged handle (in the object table, under
+    the C backend) and the daemon's Acquire of it (for a slot handle its proxy hold, as clients
+    without a holder bit get it) raise a typed error, or (when the forgery happens to name a live
+    committed object exactly) return that object's bytes."""
     with Producer(fuzz_daemon.socket_path, timeout_s=TIMEOUT_S) as p, \
             Consumer(fuzz_daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         arrays = [np.full(n, i + 1, np.uint8) for i, n in enumerate((1, 100, 4096, 70000))]
         real = p.put_many(arrays, hash=True)
-        for h in real:  # commit by handoff: acquire once so they are committed
-            c.release_many([c.acquire(h)], wait=True)
-        content = {(h.shm.offset, h.shm.generation): a for h, a in zip(real, arrays)}
+        content = {(h.shm.slot, h.shm.offset, h.shm.generation): a for h, a in zip(real, arrays)}
+
+        def acquire_through_the_daemon(shm: pb.Handle) -> np.ndarray:
+            [lease_id] = c._call("Acquire", pb.AcquireRequest(handles=[shm])).lease_ids
+            try:
+                return np.array(np.frombuffer(c._memory(shm), np.uint8))
+            finally:
+                c._call("Release", pb.ReleaseRequest(lease_ids=[lease_id]))
+
+        forgeries = st.one_of(
+            st.tuples(st.sampled_from(["offset", "generation", "nbytes"]), st.integers(0, U64)),
+            st.tuples(st.just("slot"), st.one_of(st.integers(0, len(real) + 1), st.integers(0, U32))),
+            st.tuples(st.sampled_from(["name", "instance_id"]), st.integers(0, U64).map(str)),
+        )
 
         @FUZZ
-        @given(st.sampled_from(real), st.sampled_from(["offset", "generation", "nbytes", "name", "instance_id"]),
-               st.integers(0, U64))
-        def run(h, field, value):
+        @given(st.sampled_from(real), forgeries, st.booleans())
+        def run(h, forgery, through_the_daemon):
             shm = pb.Handle()
             shm.CopyFrom(h.shm)
-            setattr(shm, field, str(value) if field in ("name", "instance_id") else value)
+            setattr(shm, *forgery)
             forged = Handle(shm, "uint8", (shm.nbytes,), h.digest)
             try:
-                lease = c.acquire(forged)
+                if through_the_daemon:
+                    got, lease = acquire_through_the_daemon(shm), None
+                else:
+                    lease = c.acquire(forged)
+                    got = lease.array
             except ShmTransportError as exc:
                 assert exc.reason is not Reason.INTERNAL, exc
                 return
             try:
-                expected = content.get((shm.offset, shm.generation))
+                expected = content.get((shm.slot, shm.offset, shm.generation))
                 assert expected is not None and expected.nbytes == shm.nbytes, f"acquired a forged handle {shm}"
-                assert np.array_equal(lease.array, expected)
-                lease.verify()
+                assert np.array_equal(got, expected)
+                if lease is not None:
+                    lease.verify()
             finally:
-                c.release_many([lease], wait=True)
+                if lease is not None:
+                    del got
+                    c.release_many([lease], wait=True)
 
         run()
         p.release(real, wait=True)
@@ -296,7 +392,7 @@ def test_forged_handles_through_the_client_give_typed_errors_or_exactly_the_name
 def test_corpus_rpc_input_gets_a_typed_answer_and_the_daemon_keeps_serving(fuzz_daemon, sessions, path):
     """``<Method>__<name>.bin``: raw request bytes; seed handles of the session are not needed."""
     method = path.name.split("__")[0]
-    attacker = sessions[0]
+    attacker = sessions.attacker
     payload = path.read_bytes()
     code, details, body = attacker.raw(method, payload)
     check_answer(fuzz_daemon, method, payload, code, details, body)

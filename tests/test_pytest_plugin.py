@@ -123,6 +123,12 @@ def test_leaks_a_lease_on_a_handed_off_object(shm_daemon, request):
     # The object outlives its producer (hand-off); a consumer that connects now acquires it.
     consumer = request.getfixturevalue("shm_consumer")
     _kept.append(consumer.acquire(handle))
+
+
+@pytest.mark.shm_leak_check
+def test_leaves_a_handed_off_object(shm_producer, shm_daemon):
+    record(shm_daemon)
+    shm_producer.put(np.arange(100))  # never released nor acquired: it outlives the producer
 '''
 
 SAMPLE_KEEP = '''
@@ -171,6 +177,11 @@ def leftovers(prefixes: list[str]) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(tuple(p + "-" for p in prefixes)))
 
 
+def teardown_errors(out: str) -> dict[str, str]:
+    """Test name -> the text of its "ERROR at teardown" section in a pytest run's output."""
+    return dict(re.findall(r"_+ ERROR at teardown of (\w+) _+\n(.*?)(?=\n_{3,} |\n=+ )", out, re.S))
+
+
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=RUN_TIMEOUT_S)
 
@@ -186,10 +197,7 @@ def test_fixtures_round_trip_and_each_leak_fails_its_test_with_the_leak_listed(p
             os.unlink(leaked)
     out = result.stdout.str()
     result.assert_outcomes(passed=8, errors=3)
-    errors = {
-        name: block
-        for name, block in re.findall(r"_+ ERROR at teardown of (\w+) _+\n(.*?)(?=\n_{3,} |\n=+ )", out, re.S)
-    }
+    errors = teardown_errors(out)
     assert set(errors) == {"test_leaks_a_dev_shm_file", "test_leaks_an_fd", "test_leaks_a_lease"}, out
     assert f"/dev/shm entries left behind: /dev/shm/{leak_name}" in errors["test_leaks_a_dev_shm_file"], out
     assert re.search(rf"fds left open: \d+ -> /dev/shm/{leak_name}", errors["test_leaks_a_dev_shm_file"]), out
@@ -200,15 +208,22 @@ def test_fixtures_round_trip_and_each_leak_fails_its_test_with_the_leak_listed(p
     assert not leftovers(recorded_prefixes(pytester))  # every fixture daemon was stopped and unlinked
 
 
-def test_a_lease_left_on_a_handed_off_object_fails_its_test(pytester):
-    """The consumer that takes a handed-off object over may get the session bit its producer had
-    (in the object table): its lease is a lease all the same."""
+def test_what_a_hand_off_leaves_fails_its_test(pytester):
+    """A committed object outlives its producer until a first acquire: a test that leaves one, or
+    a lease on one, left something behind. (The consumer that takes a handed-off object over may
+    get the session bit its producer had, in the object table: its lease is a lease all the same.)"""
     pytester.makepyfile(test_handoff=SAMPLE_HANDOFF)
     result = run(pytester)
     out = result.stdout.str()
-    result.assert_outcomes(passed=1, errors=1)
-    assert "live leases left at the end of the test (1 new)" in out, out
-    assert re.search(r"client \w+ \(this process\): 1 lease\(s\)", out), out
+    result.assert_outcomes(passed=2, errors=2)
+    errors = teardown_errors(out)
+    assert set(errors) == {"test_leaks_a_lease_on_a_handed_off_object", "test_leaves_a_handed_off_object"}, out
+    lease_block = errors["test_leaks_a_lease_on_a_handed_off_object"]
+    assert "live leases left at the end of the test (1 new)" in lease_block, out
+    assert re.search(r"client \w+ \(this process\): 1 lease\(s\)", lease_block), out
+    object_block = errors["test_leaves_a_handed_off_object"]
+    assert "still live after the client fixtures closed" in object_block, out
+    assert re.search(r"holds 1 live object\(s\) \(\d+ bytes\), 0 live lease\(s\)", object_block), out
     assert not leftovers(recorded_prefixes(pytester))
 
 

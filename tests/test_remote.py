@@ -393,14 +393,18 @@ def test_forged_descriptor_tampered_bytes_and_gone_peer_give_typed_errors_and_re
     gone = variant(lambda d: setattr(d, "endpoint", "127.0.0.1:1"))  # nothing listens there
     other_offset = variant(lambda d: setattr(d.tensor.shm, "offset", d.tensor.shm.offset + 4096))
     mismatch = fpb.RemoteTensorHandle(); mismatch.CopyFrom(good); mismatch.nbytes += 4
+    # An object-table slot where nothing was ever placed (or, without a table, any slot at all)
+    empty_slot = variant(lambda d: setattr(d.tensor.shm, "slot", d.tensor.shm.slot + 1))
     results = run_in_child(child_read_expect_errors,
-                           [forged, tampered, gone, other_offset, mismatch.SerializeToString()], timeout_s=TIMEOUT_S)
-    (c1, r1, _), (c2, r2, _), (c3, r3, m3), (c4, r4, _), (c5, r5, m5) = results
+                           [forged, tampered, gone, other_offset, mismatch.SerializeToString(), empty_slot],
+                           timeout_s=TIMEOUT_S)
+    (c1, r1, _), (c2, r2, _), (c3, r3, m3), (c4, r4, _), (c5, r5, m5), (c6, r6, _) = results
     assert (c1, r1) == (HandleError.__name__, "bad_handle")
     assert (c2, r2) == (IdentityMismatch.__name__, "identity_mismatch")
     assert c3 == Unavailable.__name__ and "127.0.0.1:1" in m3
     assert c4 == HandleError.__name__
     assert (c5, r5) == (InvalidArgument.__name__, "invalid_argument") and "nbytes" in m5
+    assert (c6, r6) == (HandleError.__name__, "bad_handle")
     assert nodes.ask("settle", 5) is True  # every failure path released its lease
 
 

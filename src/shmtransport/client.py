@@ -270,9 +270,19 @@ class _Connection:
             )
         return uid
 
-    def call(self, method: str, request):
-        """One unary RPC with the session token and timeout; typed errors; reconnect next time."""
-        self.ensure()
+    def alive(self) -> bool:
+        """Connected, and the daemon of this session still there (never reconnects)."""
+        with self._lock:
+            return self.stub is not None and self._session_alive()
+
+    def call(self, method: str, request, reconnect: bool = True):
+        """One unary RPC with the session token and timeout; typed errors; reconnect next time.
+        ``reconnect=False``: on this session only (Unavailable when it is gone), for calls that
+        name things of this session (a newer daemon would misread them)."""
+        if reconnect:
+            self.ensure()
+        elif not self.alive():
+            raise Unavailable("the daemon of this session is gone")
         try:
             return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
@@ -526,8 +536,9 @@ class _Client:
                                        self._grant)
         return self._tables
 
-    def _grant(self, nbytes: int, nslots: int, give_back: list[int], wait_ms: int) -> pb.GrantResponse:
-        return self._call("Grant", pb.GrantRequest(nbytes=nbytes, nslots=nslots, wait_ms=wait_ms, give_back=give_back))
+    def _grant(self, nbytes: int, nslots: int, give_back: list[int], wait_ms: int, retry: bool) -> pb.GrantResponse:
+        return self._call("Grant", pb.GrantRequest(nbytes=nbytes, nslots=nslots, wait_ms=wait_ms,
+                                                   give_back=give_back, retry=retry))
 
     def _live_table(self, tables: TableClient | None) -> bool:
         """Whether a view's object-table client still speaks for this connection (after a daemon
@@ -673,7 +684,8 @@ class _Client:
             tables.collect()
             give_back, tables.give_back = tables.give_back, []
         if give_back:
-            self._call("Grant", pb.GrantRequest(give_back=give_back))
+            self._before_call("Grant")
+            self._conn.call("Grant", pb.GrantRequest(give_back=give_back), reconnect=False)
 
     def _requeue_deferred(self, force: bool) -> None:
         with self._lock:
@@ -696,12 +708,13 @@ class _Client:
             self.flush(strict=False)
             give_back: list[int] = []
             with self._lock:
-                if self._live_table(self._tables):
+                # A session already gone (the daemon stopped or restarted) was reclaimed whole.
+                if self._live_table(self._tables) and self._conn.alive():
                     # Leases and producer references; committed objects keep their hand-off bit.
                     self._tables.release_all()
                     give_back = self._tables.give_back_all()
             if give_back:  # at once, so the daemon's books are exact when close returns
-                self._conn.call("Grant", pb.GrantRequest(give_back=give_back))
+                self._conn.call("Grant", pb.GrantRequest(give_back=give_back), reconnect=False)
         except Unavailable:
             pass
         finally:
@@ -814,7 +827,13 @@ class Producer(_Client):
         Commit RPC, pipelined unless ``wait`` (a failure raises from this producer's next
         blocking call); a consumer's Acquire waits for a commit still in flight.
         """
+        if not loans:
+            raise InvalidArgument("loans must not be empty")
+        if len({id(loan) for loan in loans}) != len(loans):
+            raise InvalidArgument("the same loan appears twice in one commit")
         for loan in loans:
+            if loan._client is not self:
+                raise OwnershipError(f"{loan!r} belongs to another Producer")
             if loan._released:
                 raise ClosedError(f"{loan!r} was released; it cannot be committed")
             if loan.committed:
@@ -926,6 +945,8 @@ class Producer(_Client):
         handles = [handles] if isinstance(handles, Handle) else list(handles)
         if self._closed:
             raise ClosedError("Producer is closed")
+        if wait and not handles:
+            raise InvalidArgument("handles must not be empty")
         handles = self._release_in_table(handles)
         if not handles:
             return
@@ -940,18 +961,24 @@ class Producer(_Client):
         if not any(h.shm.slot for h in handles):
             return handles
         rest = []
+        self._conn.ensure_recent()
         with self._lock:
-            tables = self._tables
-            live = self._live_table(tables)
+            tables = self._table_client()
             for h in handles:
                 if not h.shm.slot:
                     rest.append(h)
                     continue
-                placed = tables.owned(h.shm.slot - 1, h.shm.generation) if live else None
+                if h.shm.instance_id != self.instance_id:
+                    raise Unavailable(f"handle of daemon instance {h.shm.instance_id!r}, connected to "
+                                      f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
+                placed = tables.owned(h.shm.slot - 1, h.shm.generation) if tables is not None else None
                 if placed is None:
-                    if not live or h.shm.instance_id != self.instance_id:
-                        continue  # its daemon is gone, and the object with it
-                    raise OwnershipError(f"{h!r} is not an object of this producer (or was already freed)")
+                    if tables is not None and h.shm.owner_id == self._conn.hello.get("session_id"):
+                        raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)
+                    raise OwnershipError(f"{h!r} is not an object of this producer")
+                if (placed.offset, placed.nbytes) != (h.shm.offset, h.shm.nbytes):
+                    raise HandleError(f"{h!r} does not match the object in its slot "
+                                      f"([{placed.offset}, +{placed.nbytes}))", Reason.OUT_OF_BOUNDS)
                 tables.release_own(placed, cancel_handoff=True)
             self._schedule_flush()  # grants to give back once their objects die
         return rest
@@ -966,6 +993,8 @@ class Consumer(_Client):
     def acquire_many(self, handles: Sequence[Handle], ttl_ms: int = 0) -> list[Lease]:
         """Leases on every handle in one RPC; read-only zero-copy views."""
         handles = list(handles)
+        if not handles:
+            raise InvalidArgument("handles must not be empty")
         self._conn.ensure_recent()  # a daemon restart is noticed before handles are compared with it
         for h in handles:
             if h.shm.instance_id != self.instance_id:
@@ -1007,10 +1036,8 @@ class Consumer(_Client):
         try:
             for i, h in enumerate(handles):
                 shm = h.shm
-                if not shm.slot:
-                    continue
-                if shm.name != mapping.name:
-                    raise HandleError(f"an object-table handle names segment {shm.name!r}, not this tenant's arena")
+                if not shm.slot or shm.name != mapping.name:
+                    continue  # not this tenant's table: the daemon answers (e.g. another tenant's)
                 if shm.offset + shm.nbytes > mapping.nbytes:
                     raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena", Reason.OUT_OF_BOUNDS)
                 tables.acquire(shm.slot - 1, shm.generation, shm.offset, shm.nbytes)

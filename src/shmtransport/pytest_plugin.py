@@ -13,9 +13,10 @@ Fixtures
   ``shm_producer``        a ``Producer`` connected to ``shm_daemon`` (closed at teardown)
   ``shm_consumer``        a ``Consumer`` connected to ``shm_daemon`` (closed at teardown)
   ``shm_leak_check``      fail the test if it leaves new /dev/shm entries, open fds, live child
-                          processes or live leases on a daemon fixture; also applied by
-                          ``@pytest.mark.shm_leak_check``. The fixture value (``testing.LeakCheck``)
-                          has knobs (``check_fds = False``, ``ignore_shm(prefix)``, ...)
+                          processes, or live leases (object-table ones too) or objects on a daemon
+                          fixture; also applied by ``@pytest.mark.shm_leak_check``. The fixture value
+                          (``testing.LeakCheck``) has knobs (``check_fds = False``,
+                          ``ignore_shm(prefix)``, ...)
   ``shm_owned_prefixes``  override to return a tuple of prefixes when /dev/shm is shared with other
                           processes: only new entries with them fail the leak check, others warn
   ``shm_run_in_child``    ``testing.run_in_child``: a module-level function in a ``spawn`` child,
@@ -163,10 +164,11 @@ def _finish_daemon(daemon: "Daemon", item: pytest.Item | None) -> None:
     /dev/shm (with an active leak check: first report what is still live on it)."""
     check = item.stash.get(_check_key, None) if item is not None else None
     if check is not None and check.check_leases and not daemon.closed:
-        # After the clients' teardown: what is still live is held by sessions nobody closed.
+        # After the clients' teardown: what is still live is held by sessions nobody closed, or handed off.
         s = testing.settle_daemon(daemon, max_leases=0, max_objects=0, timeout_s=1.0)
         if s.live_objects or s.live_leases:
-            check.report("still live after the client fixtures closed (an unclosed client?):\n"
+            check.report("still live after the client fixtures closed (an unclosed client, or a committed object "
+                         "nobody released or acquired: it outlives its producer for the hand-off window):\n"
                          + testing._indent(testing.describe_daemon_state(daemon, s)))
     left = testing.stop_daemon(daemon)
     if left:

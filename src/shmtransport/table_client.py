@@ -44,7 +44,7 @@ GRANT_ARENA_FRACTION = 64  # a standard grant is this fraction of the arena (wit
 # space other producers cannot use.
 IDLE_RETURN_S = 0.5
 
-GrantCall = Callable[[int, int, list, int], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms)
+GrantCall = Callable[[int, int, list, int, bool], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms, retry)
 # A producer waiting for space looks at its own grants again after waits growing from the first to
 # the last (its consumers free space in its grants without telling the daemon).
 GRANT_POLL_S = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
@@ -86,7 +86,7 @@ class TableClient:
     def __init__(self, table: ObjectTable, bit: int, arena_nbytes: int, handoff_window_ms: int,
                  max_hold_ms: int, grant: GrantCall):
         # (max_hold_ms is the daemon's; the table cannot check it, so the client does.)
-        """``grant(nbytes, nslots, give_back, wait_ms)``: the daemon's Grant RPC."""
+        """``grant(nbytes, nslots, give_back, wait_ms, retry)``: the daemon's Grant RPC."""
         self.table = table
         self.bit = bit
         self.handoff_window_ns = handoff_window_ms * 1_000_000
@@ -129,7 +129,7 @@ class TableClient:
             remaining = deadline - time.monotonic()
             wait_s = max(0.0, min(remaining, GRANT_POLL_S[min(attempt, len(GRANT_POLL_S) - 1)]))
             try:
-                self._new_grant(nbytes, int(wait_s * 1000))
+                self._new_grant(nbytes, int(wait_s * 1000), retry=remaining - wait_s > 0)
             except ResourceExhausted:
                 if self._give_back_empty():
                     continue  # this producer's own idle grants were in the way
@@ -170,14 +170,14 @@ class TableClient:
             return obj
         return None
 
-    def _new_grant(self, nbytes: int, wait_ms: int) -> None:
+    def _new_grant(self, nbytes: int, wait_ms: int, retry: bool) -> None:
         oversized = nbytes > self.standard_grant_nbytes
         size = -(-nbytes // PAGE) * PAGE if oversized else self.standard_grant_nbytes
         nslots = 64 if oversized else max(64, size // SLOT_PER_NBYTES)
         # Given back once sent, whatever the reply: the daemon applies returns before it allocates
         # (and orphans every grant of a session that ends anyway).
         give_back, self.give_back = self.give_back, []
-        response = self._grant_rpc(size, nslots, give_back, wait_ms)
+        response = self._grant_rpc(size, nslots, give_back, wait_ms, retry)
         _step("t_after_grant")
         slots = collections.deque(range(response.first_slot, response.first_slot + response.nslots))
         self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes,
@@ -287,10 +287,17 @@ class TableClient:
 
     def release_all(self) -> None:
         """Drop every hold of this client (close): leases, and producer references (committed
-        objects keep their hand-off bit, so a consumer may still take them)."""
+        objects keep their hand-off bit, so a consumer may still take them). A hold the daemon
+        already cleared (it saw the session end first) is skipped."""
         for slot, generation in list(self._leases):
             self._leases[(slot, generation)] = 1
-            self.release_lease(slot, generation)
+            try:
+                self.release_lease(slot, generation)
+            except StateError:
+                pass
         for obj in list(self._placed.values()):
             if obj.held:
-                self.release_own(obj, cancel_handoff=False)
+                try:
+                    self.release_own(obj, cancel_handoff=False)
+                except StateError:
+                    obj.held = False

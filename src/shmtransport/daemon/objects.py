@@ -27,13 +27,14 @@ import time
 import numpy as np
 
 from ..allocator import Allocator
-from ..errors import InvalidArgument, OwnershipError, Reason, ResourceExhausted, StateError
+from ..errors import HandleError, InvalidArgument, OwnershipError, Reason, ResourceExhausted, StateError
 from ..objtable import HANDOFF, HANDOFF_BIT, PROXY_BIT, SESSION_BITS, SLOT_NBYTES, ObjectTable, SlotStatus, raise_for
 from ..v1 import daemon_pb2 as pb
 from .segments import Segment
 
 _log = logging.getLogger("shmtransport.daemon")
 _NEVER = 1 << 62  # alignment threshold the slot allocator never reaches: slots need only 64 bytes
+_NO_OWNER = HANDOFF_BIT  # not a session bit: the owner of an object whose producer is gone
 
 
 @dataclasses.dataclass
@@ -92,6 +93,10 @@ class ObjectBook:
         if bit is not None:
             held, freed, freed_nbytes = self.table.clear_bit(bit)
             self.counters["reclaimed_death_objects"] += freed
+            # Its objects that live on (handed off) keep no owner: the next session given this bit
+            # must not look like their producer (Stat counts an owner's bit as no lease).
+            owners = self.table.columns["owner"]
+            owners[owners == bit] = _NO_OWNER
             self._free_bits.append(bit)
         for lease_id in [i for i, lease in self._proxy_leases.items() if lease.session_id == session_id]:
             self._drop_proxy(lease_id)
@@ -195,7 +200,13 @@ class ObjectBook:
     def proxy_acquire(self, session_id: str, handle: pb.Handle, lease_id: int) -> None:
         slot, gen = self._slot_of(handle), handle.generation
         key = (slot, gen)
-        if key not in self._proxy_counts:
+        if key in self._proxy_counts:
+            # Held already, so the row is this object's: the handle must name exactly its bytes.
+            cols = self.table.columns
+            if (int(cols["offset"][slot]), int(cols["nbytes"][slot])) != (handle.offset, handle.nbytes):
+                raise HandleError(f"handle [{handle.offset}, +{handle.nbytes}) does not match object slot {slot}",
+                                  Reason.OUT_OF_BOUNDS)
+        else:
             status = self.table.acquire(slot, gen, handle.offset, handle.nbytes, PROXY_BIT)
             if status is not SlotStatus.OK:
                 raise_for(status, slot)

@@ -207,9 +207,10 @@ class Registry:
 
     # -- grants: space producers place objects in themselves (the object table) ------------------
     def grant(self, session_id: str, nbytes: int, nslots: int, wait_s: float = 0.0,
-              give_back: Sequence[int] = ()) -> pb.GrantResponse:
+              give_back: Sequence[int] = (), retry: bool = False) -> pb.GrantResponse:
         """Arena bytes plus object slots for a producer with a holder bit (all or nothing); waits
-        up to ``wait_s`` for space like ``loan``. ``give_back``: grants returned first."""
+        up to ``wait_s`` for space like ``loan``. ``give_back``: grants returned first; ``retry``:
+        the caller asks again if refused (not counted as an allocation failure)."""
         if self.objects is None:
             raise StateError("this daemon has no object table: loan with Loan")
         if nbytes < 0 or nslots < 0 or nslots > self.objects.nslots:
@@ -236,7 +237,8 @@ class Registry:
                         continue
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or nbytes > min(self.allocator.nbytes, self.quota_nbytes):
-                        self.counters["allocation_failures"] += 1
+                        if not retry:
+                            self.counters["allocation_failures"] += 1
                         raise
                     # Orphans die without telling anyone (their consumers release in shared memory).
                     self._freed.wait(min(remaining, 0.005))

@@ -201,7 +201,7 @@ class _Servicer(pb_grpc.DaemonServicer):
         registry = tenant.registry
         wait_s = min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000
         response = self._waiting(tenant, wait_s, context, lambda w: registry.grant(
-            session_id, request.nbytes, request.nslots, w, request.give_back))
+            session_id, request.nbytes, request.nslots, w, request.give_back, request.retry))
         if response.grant_id and not context.is_active():
             registry.grant(session_id, 0, 0, 0.0, [response.grant_id])  # nobody will place objects in it
         return response

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import objtable
 from ..client import Handle, Producer
 from ..errors import IdentityMismatch, InvalidArgument
 from ..identity import cache_identifier, combine, grpc_mm_identity, tensor_digest
@@ -45,9 +46,12 @@ class InlinePolicy:
     anyway, tensors this small ride inline (no allocation or lease each: ``image_grid_thw`` and the
     like). Inline bytes stay within the limits' ``max_inline_items`` / ``max_inline_bytes``."""
 
-    # measured (benchmarks/results/scale.json): a 4 KiB-1 MiB handoff costs ~2 ms here whatever the
-    # size; inline gRPC bytes overtake it at 1.04-1.06 MiB (alone) / 1.43-1.56 MiB (added to a request)
-    request_below_nbytes: int = 1 << 20
+    # measured (benchmarks/results/scale.json, "inline_crossover"): with the object table (the C
+    # kernels) a handoff costs no round trip, and inline bytes added to a request that is sent
+    # anyway stop being cheaper at ~0.5 MiB (alone, shared memory is faster at every size from
+    # 4 KiB); through the daemon's RPCs (pure Python) the crossover was ~1 MiB
+    request_below_nbytes: int = dataclasses.field(
+        default_factory=lambda: (512 << 10) if objtable.available() else (1 << 20))
     # inside a batched put no latency difference is measurable up to 256 KiB; one page or less rides
     # inline to save its allocation and lease
     tensor_below_nbytes: int = 4 << 10

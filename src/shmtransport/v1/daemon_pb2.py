@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshmtransport/v1/daemon.proto\x12\x0fshmtransport.v1\"\x7f\n\x06Handle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08owner_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x10 \x01(\x04\x12\x13\n\x0binstance_id\x18\x11 \x01(\t\x12\x0c\n\x04slot\x18\x12 \x01(\r\"x\n\x0cTensorHandle\x12$\n\x03shm\x18\x01 \x01(\x0b\x32\x17.shmtransport.v1.Handle\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63ommit_token\x18\x05 \x01(\x0c\"]\n\tArenaInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x15\n\rshm_namespace\x18\x04 \x01(\t\"s\n\x0bLoanRequest\x12\x0e\n\x06nbytes\x18\x01 \x03(\x04\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\x12\x30\n\x07release\x18\x0f \x01(\x0b\x32\x1f.shmtransport.v1.ReleaseRequest\x12\x11\n\tdedicated\x18\x03 \x01(\x08\"O\n\x0cLoanResponse\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x0c\"R\n\x0cGrantRequest\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\x12\x0e\n\x06nslots\x18\x02 \x01(\r\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\x12\x11\n\tgive_back\x18\x04 \x03(\x04\"e\n\rGrantResponse\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x12\n\nfirst_slot\x18\x04 \x01(\r\x12\x0e\n\x06nslots\x18\x05 \x01(\r\"|\n\rCommitRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x0f\n\x07hold_ms\x18\x02 \x01(\r\x12\x30\n\x07release\x18\x0f \x01(\x0b\x32\x1f.shmtransport.v1.ReleaseRequest\"\x10\n\x0e\x43ommitResponse\"\x93\x01\n\x0e\x41\x63quireRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x15\n\rcommit_tokens\x18\x03 \x03(\x0c\x12\x30\n\x07release\x18\x0f \x01(\x0b\x32\x1f.shmtransport.v1.ReleaseRequest\"$\n\x0f\x41\x63quireResponse\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"`\n\x0eReleaseRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\x12\x11\n\tskip_gone\x18\x03 \x01(\x08\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"\r\n\x0bStatRequest\"{\n\nClientStat\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0b\n\x03uid\x18\x03 \x01(\r\x12\x15\n\rloaned_nbytes\x18\x04 \x01(\x04\x12\x18\n\x10\x63ommitted_nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06leases\x18\x06 \x01(\x04\"\x93\x06\n\x0cStatResponse\x12)\n\x05\x61rena\x18\x01 \x01(\x0b\x32\x1a.shmtransport.v1.ArenaInfo\x12\x13\n\x0bused_nbytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x66ree_nbytes\x18\x03 \x01(\x04\x12\x1b\n\x13largest_free_nbytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x66ree_extents\x18\x05 \x01(\x04\x12\x14\n\x0clive_objects\x18\x06 \x01(\x04\x12\x13\n\x0blive_leases\x18\x07 \x01(\x04\x12,\n\x07\x63lients\x18\x08 \x03(\x0b\x32\x1b.shmtransport.v1.ClientStat\x12\x19\n\x11\x61llocations_total\x18\t \x01(\x04\x12\x19\n\x11\x61llocations_per_s\x18\n \x01(\x01\x12\x1c\n\x14reclaimed_ttl_nbytes\x18\x0b \x01(\x04\x12\x1c\n\x14reclaimed_ttl_leases\x18\x0c \x01(\x04\x12\x1e\n\x16reclaimed_death_nbytes\x18\r \x01(\x04\x12\x1e\n\x16reclaimed_death_leases\x18\x0e \x01(\x04\x12\x1b\n\x13\x61llocation_failures\x18\x0f \x01(\x04\x12\x16\n\x0esessions_total\x18\x10 \x01(\x04\x12\x0e\n\x06tenant\x18\x11 \x01(\t\x12\x14\n\x0cquota_nbytes\x18\x12 \x01(\x04\x12\x14\n\x0cquota_leases\x18\x13 \x01(\x04\x12\x18\n\x10\x64\x65\x64icated_nbytes\x18\x14 \x01(\x04\x12\x1a\n\x12quarantined_leases\x18\x15 \x01(\x04\x12\x1a\n\x12quarantined_nbytes\x18\x16 \x01(\x04\x12 \n\x18quarantined_leases_total\x18\x17 \x01(\x04\x12\x16\n\x0egranted_nbytes\x18\x18 \x01(\x04\x12\x15\n\rtable_objects\x18\x19 \x01(\x04\x12\x17\n\x0fhandoff_objects\x18\x1a \x01(\x04\x12!\n\x19reclaimed_handoff_objects\x18\x1b \x01(\x04\x12 \n\x18reclaimed_handoff_nbytes\x18\x1c \x01(\x04\x32\x83\x04\n\x06\x44\x61\x65mon\x12@\n\x04Info\x12\x1c.shmtransport.v1.InfoRequest\x1a\x1a.shmtransport.v1.ArenaInfo\x12\x43\n\x04Loan\x12\x1c.shmtransport.v1.LoanRequest\x1a\x1d.shmtransport.v1.LoanResponse\x12\x46\n\x05Grant\x12\x1d.shmtransport.v1.GrantRequest\x1a\x1e.shmtransport.v1.GrantResponse\x12I\n\x06\x43ommit\x12\x1e.shmtransport.v1.CommitRequest\x1a\x1f.shmtransport.v1.CommitResponse\x12L\n\x07\x41\x63quire\x12\x1f.shmtransport.v1.AcquireRequest\x1a .shmtransport.v1.AcquireResponse\x12L\n\x07Release\x12\x1f.shmtransport.v1.ReleaseRequest\x1a .shmtransport.v1.ReleaseResponse\x12\x43\n\x04Stat\x12\x1c.shmtransport.v1.StatRequest\x1a\x1d.shmtransport.v1.StatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshmtransport/v1/daemon.proto\x12\x0fshmtransport.v1\"\x7f\n\x06Handle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08owner_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x10 \x01(\x04\x12\x13\n\x0binstance_id\x18\x11 \x01(\t\x12\x0c\n\x04slot\x18\x12 \x01(\r\"x\n\x0cTensorHandle\x12$\n\x03shm\x18\x01 \x01(\x0b\x32\x17.shmtransport.v1.Handle\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06\x64igest\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63ommit_token\x18\x05 \x01(\x0c\"]\n\tArenaInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0csegment_name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x15\n\rshm_namespace\x18\x04 \x01(\t\"s\n\x0bLoanRequest\x12\x0e\n\x06nbytes\x18\x01 \x03(\x04\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\x12\x30\n\x07release\x18\x0f \x01(\x0b\x32\x1f.shmtransport.v1.ReleaseRequest\x12\x11\n\tdedicated\x18\x03 \x01(\x08\"O\n\x0cLoanResponse\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x0c\"a\n\x0cGrantRequest\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\x12\x0e\n\x06nslots\x18\x02 \x01(\r\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\x12\x11\n\tgive_back\x18\x04 \x03(\x04\x12\r\n\x05retry\x18\x05 \x01(\x08\"e\n\rGrantResponse\x12\x10\n\x08grant_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x12\n\nfirst_slot\x18\x04 \x01(\r\x12\x0e\n\x06nslots\x18\x05 \x01(\r\"|\n\rCommitRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x0f\n\x07hold_ms\x18\x02 \x01(\r\x12\x30\n\x07release\x18\x0f \x01(\x0b\x32\x1f.shmtransport.v1.ReleaseRequest\"\x10\n\x0e\x43ommitResponse\"\x93\x01\n\x0e\x41\x63quireRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x15\n\rcommit_tokens\x18\x03 \x03(\x0c\x12\x30\n\x07release\x18\x0f \x01(\x0b\x32\x1f.shmtransport.v1.ReleaseRequest\"$\n\x0f\x41\x63quireResponse\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"`\n\x0eReleaseRequest\x12(\n\x07handles\x18\x01 \x03(\x0b\x32\x17.shmtransport.v1.Handle\x12\x11\n\tlease_ids\x18\x02 \x03(\x04\x12\x11\n\tskip_gone\x18\x03 \x01(\x08\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"\r\n\x0bStatRequest\"{\n\nClientStat\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0b\n\x03uid\x18\x03 \x01(\r\x12\x15\n\rloaned_nbytes\x18\x04 \x01(\x04\x12\x18\n\x10\x63ommitted_nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06leases\x18\x06 \x01(\x04\"\x93\x06\n\x0cStatResponse\x12)\n\x05\x61rena\x18\x01 \x01(\x0b\x32\x1a.shmtransport.v1.ArenaInfo\x12\x13\n\x0bused_nbytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x66ree_nbytes\x18\x03 \x01(\x04\x12\x1b\n\x13largest_free_nbytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x66ree_extents\x18\x05 \x01(\x04\x12\x14\n\x0clive_objects\x18\x06 \x01(\x04\x12\x13\n\x0blive_leases\x18\x07 \x01(\x04\x12,\n\x07\x63lients\x18\x08 \x03(\x0b\x32\x1b.shmtransport.v1.ClientStat\x12\x19\n\x11\x61llocations_total\x18\t \x01(\x04\x12\x19\n\x11\x61llocations_per_s\x18\n \x01(\x01\x12\x1c\n\x14reclaimed_ttl_nbytes\x18\x0b \x01(\x04\x12\x1c\n\x14reclaimed_ttl_leases\x18\x0c \x01(\x04\x12\x1e\n\x16reclaimed_death_nbytes\x18\r \x01(\x04\x12\x1e\n\x16reclaimed_death_leases\x18\x0e \x01(\x04\x12\x1b\n\x13\x61llocation_failures\x18\x0f \x01(\x04\x12\x16\n\x0esessions_total\x18\x10 \x01(\x04\x12\x0e\n\x06tenant\x18\x11 \x01(\t\x12\x14\n\x0cquota_nbytes\x18\x12 \x01(\x04\x12\x14\n\x0cquota_leases\x18\x13 \x01(\x04\x12\x18\n\x10\x64\x65\x64icated_nbytes\x18\x14 \x01(\x04\x12\x1a\n\x12quarantined_leases\x18\x15 \x01(\x04\x12\x1a\n\x12quarantined_nbytes\x18\x16 \x01(\x04\x12 \n\x18quarantined_leases_total\x18\x17 \x01(\x04\x12\x16\n\x0egranted_nbytes\x18\x18 \x01(\x04\x12\x15\n\rtable_objects\x18\x19 \x01(\x04\x12\x17\n\x0fhandoff_objects\x18\x1a \x01(\x04\x12!\n\x19reclaimed_handoff_objects\x18\x1b \x01(\x04\x12 \n\x18reclaimed_handoff_nbytes\x18\x1c \x01(\x04\x32\x83\x04\n\x06\x44\x61\x65mon\x12@\n\x04Info\x12\x1c.shmtransport.v1.InfoRequest\x1a\x1a.shmtransport.v1.ArenaInfo\x12\x43\n\x04Loan\x12\x1c.shmtransport.v1.LoanRequest\x1a\x1d.shmtransport.v1.LoanResponse\x12\x46\n\x05Grant\x12\x1d.shmtransport.v1.GrantRequest\x1a\x1e.shmtransport.v1.GrantResponse\x12I\n\x06\x43ommit\x12\x1e.shmtransport.v1.CommitRequest\x1a\x1f.shmtransport.v1.CommitResponse\x12L\n\x07\x41\x63quire\x12\x1f.shmtransport.v1.AcquireRequest\x1a .shmtransport.v1.AcquireResponse\x12L\n\x07Release\x12\x1f.shmtransport.v1.ReleaseRequest\x1a .shmtransport.v1.ReleaseResponse\x12\x43\n\x04Stat\x12\x1c.shmtransport.v1.StatRequest\x1a\x1d.shmtransport.v1.StatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOANRESPONSE']._serialized_start=512
   _globals['_LOANRESPONSE']._serialized_end=591
   _globals['_GRANTREQUEST']._serialized_start=593
-  _globals['_GRANTREQUEST']._serialized_end=675
-  _globals['_GRANTRESPONSE']._serialized_start=677
-  _globals['_GRANTRESPONSE']._serialized_end=778
-  _globals['_COMMITREQUEST']._serialized_start=780
-  _globals['_COMMITREQUEST']._serialized_end=904
-  _globals['_COMMITRESPONSE']._serialized_start=906
-  _globals['_COMMITRESPONSE']._serialized_end=922
-  _globals['_ACQUIREREQUEST']._serialized_start=925
-  _globals['_ACQUIREREQUEST']._serialized_end=1072
-  _globals['_ACQUIRERESPONSE']._serialized_start=1074
-  _globals['_ACQUIRERESPONSE']._serialized_end=1110
-  _globals['_RELEASEREQUEST']._serialized_start=1112
-  _globals['_RELEASEREQUEST']._serialized_end=1208
-  _globals['_RELEASERESPONSE']._serialized_start=1210
-  _globals['_RELEASERESPONSE']._serialized_end=1227
-  _globals['_INFOREQUEST']._serialized_start=1229
-  _globals['_INFOREQUEST']._serialized_end=1242
-  _globals['_STATREQUEST']._serialized_start=1244
-  _globals['_STATREQUEST']._serialized_end=1257
-  _globals['_CLIENTSTAT']._serialized_start=1259
-  _globals['_CLIENTSTAT']._serialized_end=1382
-  _globals['_STATRESPONSE']._serialized_start=1385
-  _globals['_STATRESPONSE']._serialized_end=2172
-  _globals['_DAEMON']._serialized_start=2175
-  _globals['_DAEMON']._serialized_end=2690
+  _globals['_GRANTREQUEST']._serialized_end=690
+  _globals['_GRANTRESPONSE']._serialized_start=692
+  _globals['_GRANTRESPONSE']._serialized_end=793
+  _globals['_COMMITREQUEST']._serialized_start=795
+  _globals['_COMMITREQUEST']._serialized_end=919
+  _globals['_COMMITRESPONSE']._serialized_start=921
+  _globals['_COMMITRESPONSE']._serialized_end=937
+  _globals['_ACQUIREREQUEST']._serialized_start=940
+  _globals['_ACQUIREREQUEST']._serialized_end=1087
+  _globals['_ACQUIRERESPONSE']._serialized_start=1089
+  _globals['_ACQUIRERESPONSE']._serialized_end=1125
+  _globals['_RELEASEREQUEST']._serialized_start=1127
+  _globals['_RELEASEREQUEST']._serialized_end=1223
+  _globals['_RELEASERESPONSE']._serialized_start=1225
+  _globals['_RELEASERESPONSE']._serialized_end=1242
+  _globals['_INFOREQUEST']._serialized_start=1244
+  _globals['_INFOREQUEST']._serialized_end=1257
+  _globals['_STATREQUEST']._serialized_start=1259
+  _globals['_STATREQUEST']._serialized_end=1272
+  _globals['_CLIENTSTAT']._serialized_start=1274
+  _globals['_CLIENTSTAT']._serialized_end=1397
+  _globals['_STATRESPONSE']._serialized_start=1400
+  _globals['_STATRESPONSE']._serialized_end=2187
+  _globals['_DAEMON']._serialized_start=2190
+  _globals['_DAEMON']._serialized_end=2705
 # @@protoc_insertion_point(module_scope)

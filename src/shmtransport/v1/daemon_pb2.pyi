@@ -71,16 +71,18 @@ class LoanResponse(_message.Message):
     def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., commit_tokens: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
-    __slots__ = ("nbytes", "nslots", "wait_ms", "give_back")
+    __slots__ = ("nbytes", "nslots", "wait_ms", "give_back", "retry")
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     NSLOTS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     GIVE_BACK_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
     nbytes: int
     nslots: int
     wait_ms: int
     give_back: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, nbytes: _Optional[int] = ..., nslots: _Optional[int] = ..., wait_ms: _Optional[int] = ..., give_back: _Optional[_Iterable[int]] = ...) -> None: ...
+    retry: bool
+    def __init__(self, nbytes: _Optional[int] = ..., nslots: _Optional[int] = ..., wait_ms: _Optional[int] = ..., give_back: _Optional[_Iterable[int]] = ..., retry: _Optional[bool] = ...) -> None: ...
 
 class GrantResponse(_message.Message):
     __slots__ = ("grant_id", "offset", "nbytes", "first_slot", "nslots")
