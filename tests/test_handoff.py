@@ -17,7 +17,13 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from shmtransport import objtable
 from shmtransport.client import Consumer, Producer
 from shmtransport.errors import HandleError
-from shmtransport.testing import BlockingChild, run_in_child, start_daemon, stop_daemon, wait_until
+from shmtransport.testing import (
+    BlockingChild,
+    run_in_child,
+    start_daemon,
+    stop_daemon,
+    wait_until,
+)
 
 TIMEOUT_S = 30
 

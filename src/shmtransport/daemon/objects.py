@@ -21,14 +21,29 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import mmap
 import time
 
 import numpy as np
 
 from ..allocator import Allocator
-from ..errors import HandleError, InvalidArgument, OwnershipError, Reason, ResourceExhausted, StateError
-from ..objtable import HANDOFF, HANDOFF_BIT, PROXY_BIT, SESSION_BITS, SLOT_NBYTES, ObjectTable, SlotStatus, raise_for
+from ..errors import (
+    HandleError,
+    InvalidArgument,
+    OwnershipError,
+    Reason,
+    ResourceExhausted,
+    StateError,
+)
+from ..objtable import (
+    HANDOFF,
+    HANDOFF_BIT,
+    PROXY_BIT,
+    SESSION_BITS,
+    SLOT_NBYTES,
+    ObjectTable,
+    SlotStatus,
+    raise_for,
+)
 from ..v1 import daemon_pb2 as pb
 from .segments import Segment
 
