@@ -454,15 +454,8 @@ class Registry:
 
     def _check_table_handle(self, h: pb.Handle) -> None:
         """A handle naming an object-table slot: of this instance, tenant and arena."""
-        if h.instance_id != self.instance_id:
-            raise Unavailable(
-                f"handle of daemon instance {h.instance_id!r}, this is {self.instance_id!r} "
-                "(the daemon restarted; its bytes are gone)",
-                Reason.INSTANCE_MISMATCH,
-            )
+        self._check_instance_and_tenant(h)
         if h.name != self.segment_name:
-            if self._other_tenant_re.match(h.name):
-                raise PermissionDenied(f"segment {h.name!r} belongs to another tenant of this daemon")
             raise HandleError(f"an object-table handle names segment {h.name!r}, not this tenant's arena")
         if self.objects is None:
             raise HandleError("the handle names an object-table slot; this daemon has no object table")
@@ -731,17 +724,21 @@ class Registry:
             owner.loaned_nbytes -= obj.nbytes
             owner.committed_nbytes += obj.nbytes
 
-    def _resolve(self, h: pb.Handle) -> Allocation:
-        """The live allocation a handle names, or a typed refusal. Never trusts any field alone."""
+    def _check_instance_and_tenant(self, h: pb.Handle) -> None:
+        """Refuse a handle of another daemon instance, or of another tenant of this one."""
         if h.instance_id != self.instance_id:
             raise Unavailable(
                 f"handle of daemon instance {h.instance_id!r}, this is {self.instance_id!r} "
                 "(the daemon restarted; its bytes are gone)",
                 Reason.INSTANCE_MISMATCH,
             )
+        if self._other_tenant_re.match(h.name) and not h.name.startswith(self._tenant_base + "-"):
+            raise PermissionDenied(f"segment {h.name!r} belongs to another tenant of this daemon")
+
+    def _resolve(self, h: pb.Handle) -> Allocation:
+        """The live allocation a handle names, or a typed refusal. Never trusts any field alone."""
+        self._check_instance_and_tenant(h)
         if h.name != self.segment_name:
-            if self._other_tenant_re.match(h.name) and not h.name.startswith(self._tenant_base + "-"):
-                raise PermissionDenied(f"segment {h.name!r} belongs to another tenant of this daemon")
             return self._resolve_dedicated(h)
         if h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes:
             raise HandleError(
