@@ -86,7 +86,7 @@ class ObjectBook:
         self._proxy_counts: dict[tuple[int, int], int] = {}  # (slot, generation) -> proxy leases
         self._proxy_leases: dict[int, ProxyLease] = {}
         self.counters = {"reclaimed_handoff_objects": 0, "reclaimed_handoff_nbytes": 0,
-                         "reclaimed_death_objects": 0, "grants_total": 0}
+                         "grants_total": 0}
         self._allocation_samples: collections.deque[tuple[float, int]] = collections.deque()
         self._next_handoff_scan = self._next_rate_sample = 0.0
 
@@ -106,8 +106,7 @@ class ObjectBook:
         held = freed_nbytes = 0
         bit = self._bits.pop(session_id, None)
         if bit is not None:
-            held, freed, freed_nbytes = self.table.clear_bit(bit)
-            self.counters["reclaimed_death_objects"] += freed
+            held, _freed, freed_nbytes = self.table.clear_bit(bit)
             # Its objects that live on (handed off) keep no owner: the next session given this bit
             # must not look like their producer (Stat counts an owner's bit as no lease).
             owners = self.table.columns["owner"]
