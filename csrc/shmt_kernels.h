@@ -133,8 +133,16 @@ typedef struct {
     uint64_t state;       /* SHMT_SLOT_LOANED / _COMMITTED / _HELD */
     uint64_t deadline_ns; /* CLOCK_MONOTONIC end of the hand-off window (or of the hold) */
     uint64_t owner;       /* session bit of the producer that loaned it */
-    uint64_t reserved;
+    uint64_t grant_state; /* in a grant's first slot: that grant's state word (below) */
 } shmt_slot;
+
+/* A grant's state word, (grant id << 2) | SHMT_GRANT_*: the producer parks an empty grant it
+ * keeps (ACTIVE -> PARKED) and takes it back before placing in it (PARKED -> ACTIVE); the daemon
+ * takes a parked grant for another producer (PARKED -> TAKEN). The id tag keeps a producer's
+ * stale word from matching a later grant of the same slots. The object kernels never touch it. */
+#define SHMT_GRANT_ACTIVE 0
+#define SHMT_GRANT_PARKED 1
+#define SHMT_GRANT_TAKEN 2
 
 /* Put a new object in a free slot (holders == 0): generation = old + 1, held by `bit`. */
 int32_t shmt_slot_publish(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t offset,
@@ -157,5 +165,9 @@ int32_t shmt_slot_expire(uint8_t *table, uint64_t nslots, uint64_t index, uint64
  * out[1] = objects that left alive with nobody, out[2] = their bytes. */
 int32_t shmt_slots_clear_bit(uint8_t *table, uint64_t nslots, uint64_t first, uint64_t last,
                              uint32_t bit, uint64_t *out, uint64_t out_len);
+/* Compare-and-swap slot `index`'s grant state word: SHMT_SLOT_OK when it was `expected` (now
+ * `desired`), SHMT_SLOT_ALREADY when it was something else (*observed = what it was). */
+int32_t shmt_grant_cas(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t expected,
+                       uint64_t desired, uint64_t *observed);
 
 #endif /* SHMT_KERNELS_H */

@@ -378,3 +378,24 @@ def test_map_dedicated_checks_name_link_owner_and_mode(tmp_path):
         assert stat.S_ISREG(os.lstat(path).st_mode)
     finally:
         os.unlink(path)
+
+
+@pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
+def test_a_loan_warns_when_dropped_uncommitted_not_after_its_handle_took_over(make_daemon, object_slots):
+    import gc
+    import warnings
+
+    daemon = make_daemon(object_slots=object_slots)
+    with Producer(daemon.socket_path, timeout_s=30) as producer:
+        loan = producer.loan(64)
+        handle = loan.commit()
+        producer.release(handle)  # the handle is the reference after commit: no warning for the loan
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del loan
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+        leaked = producer.loan(64)
+        with pytest.warns(ResourceWarning, match="never released"):
+            del leaked
+            gc.collect()

@@ -210,10 +210,13 @@ def test_the_tenant_byte_quota_refuses_every_client_of_the_tenant_and_recovers(m
                 client.loan(1)
             assert info.value.reason is Reason.QUOTA_EXCEEDED
         a.release(h, wait=True)
-        # a's bytes leave the quota at once (no table), or once a gives back the grant they emptied
-        wait_until(lambda: daemon.stat().free_nbytes == daemon.arena_info.nbytes, what="a's bytes back in the arena")
-        hb = b.put(np.zeros(MiB, np.uint8))  # recovered, for any client of the tenant
+        # a's bytes leave the quota at once (no table), or once idle a parks the grant they
+        # emptied: the daemon then takes it back for whichever client needs the space
+        wait_until(lambda: (s := daemon.stat()).used_nbytes == 0 and s.granted_nbytes == s.parked_nbytes,
+                   what="a's bytes free or parked")
+        hb = b.put(np.zeros(MiB, np.uint8))  # recovered at once (no wait), for any client of the tenant
         b.release(hb, wait=True)
+        assert daemon.stat().parked_grants_taken == (0 if object_slots == 0 else 1)
         del info
 
 

@@ -1,16 +1,23 @@
 """Request-lifecycle throughput: N concurrent producer/consumer client pairs against one daemon
 (``run_lifecycles``), and the same shape of request sent inline over gRPC (``run_grpc_inline_lifecycles``).
 
-One lifecycle = put ``tensors`` arrays with hash=True (``put_many`` when the client has it) -> handles over the pair's
-pipe -> ``acquire`` them (``acquire_many``) -> check their digests -> release (``release_many``) -> ack
--> the producer releases its handles (``release_many``, else ``release(list)`` — one RPC either way). The consumer's digest check (xxh3_64 of
-4 x 64 KiB, ~20 us) is inside the lifecycle: it is the receiver's correctness flag.
+One lifecycle = put ``tensors`` arrays (``put_many`` when the client has it; with the content digest
+fused in when ``fused_hash``) -> handles over the pair's socket -> ``acquire`` them (``acquire_many``) ->
+check their digests -> release (``release_many``) -> ack -> the producer releases its handles
+(``release_many``, else ``release(list)``). The consumer's digest check (xxh3_64 of every array) is
+inside the lifecycle: it is the receiver's correctness flag.
+
+The handles travel on a ``SOCK_SEQPACKET`` socket pair (pickled, one packet each way), the cheapest
+channel a frontend could pick, as iceoryx2's pairs use their own event service: the row measures
+the transport, not a pickling pipe.
 """
 from __future__ import annotations
 
 import functools
 import multiprocessing as mp
 import os
+import pickle
+import socket
 import time
 import traceback
 
@@ -60,21 +67,31 @@ def _send_failure(ctl, peer=None) -> None:
         pass
 
 
-def _producer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
+STOP = b"stop"
+MAX_PACKET = 1 << 16
+
+
+def _producer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
     client = None
+    sock = sockets[0]
+    sockets[1].close()
     try:
         client = _ours.client().Producer(socket_path, timeout_s=_ours.CLIENT_TIMEOUT_S)
         arrays = [seeded_payload(nbytes, seed + i) for i in range(tensors)]
         put_many, release_many = _batch(client, "put_many"), _batch(client, "release_many")
         if put_many is not None:
-            put_many = functools.partial(put_many, hash=True)
+            put_many = functools.partial(put_many, hash=fused_hash)
+        sock.settimeout(REPLY_TIMEOUT_S)
         ctl.send(("ready", os.getpid()))
         _, duration_s = wait_reply(ctl, START_TIMEOUT_S, "lifecycle orchestrator")
 
         def lifecycle() -> bool:
-            handles = list(put_many(arrays)) if put_many else [client.put(a, hash=True) for a in arrays]
-            peer.send(("xfer", [h.to_bytes() for h in handles]))
-            _, flag = wait_reply(peer, REPLY_TIMEOUT_S, "lifecycle consumer")
+            handles = list(put_many(arrays)) if put_many else [client.put(a, hash=fused_hash) for a in arrays]
+            sock.send(pickle.dumps([h.to_bytes() for h in handles]))
+            reply = sock.recv(MAX_PACKET)
+            if reply not in (b"\x00", b"\x01"):
+                raise RuntimeError(f"lifecycle consumer: {reply[:2000]!r}")
+            flag = reply == b"\x01"
             if release_many:
                 release_many(handles)
             else:
@@ -82,38 +99,47 @@ def _producer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed:
             return flag
 
         samples, ok, elapsed = _run_for(duration_s, lifecycle)
-        peer.send(("stop",))
+        sock.send(STOP)
         ctl.send(("result", samples, ok, elapsed, bool(put_many), bool(release_many)))
     except BaseException:  # noqa: BLE001
-        _send_failure(ctl, peer)
+        _send_failure(ctl)
+        try:
+            sock.send(STOP)
+        except OSError:
+            pass
     finally:
         if client is not None:
             client.close()
+        sock.close()
         ctl.close()
         peer.close()
 
 
-def _consumer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
+def _consumer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
     client = None
+    sock = sockets[1]
+    sockets[0].close()
     try:
         mod = _ours.client()
         client = mod.Consumer(socket_path, timeout_s=_ours.CLIENT_TIMEOUT_S)
         digests = [digest_of(seeded_payload(nbytes, seed + i)) for i in range(tensors)]
         acquire_many, release_many = _batch(client, "acquire_many"), _batch(client, "release_many")
+        sock.settimeout(IDLE_POLL_S)
         ctl.send(("ready", os.getpid()))
         parent = mp.parent_process()
         idle_s = 0.0
         while True:
-            if not peer.poll(IDLE_POLL_S):
+            try:
+                packet = sock.recv(MAX_PACKET)
+            except TimeoutError:
                 idle_s += IDLE_POLL_S
                 if (parent is not None and not parent.is_alive()) or idle_s > IDLE_LIMIT_S:
                     return
                 continue
             idle_s = 0.0
-            msg = peer.recv()
-            if msg[0] == "stop":
+            if packet in (STOP, b""):
                 break
-            handles = [mod.Handle.from_bytes(b) for b in msg[1]]
+            handles = [mod.Handle.from_bytes(b) for b in pickle.loads(packet)]
             leases = list(acquire_many(handles)) if acquire_many else [client.acquire(h) for h in handles]
             ok = all(verify(lease.array, d) for lease, d in zip(leases, digests))
             if release_many:
@@ -122,26 +148,38 @@ def _consumer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, seed:
                 for lease in leases:
                     lease.release()
             del leases
-            peer.send(("ack", ok))
+            sock.send(b"\x01" if ok else b"\x00")
         ctl.send(("done", bool(acquire_many), bool(release_many)))
     except BaseException:  # noqa: BLE001
         _send_failure(ctl)
+        try:
+            sock.send(b"consumer failed")  # the producer raises; the traceback comes through ctl
+        except OSError:
+            pass
     finally:
         if client is not None:
             client.close()
+        sock.close()
         ctl.close()
         peer.close()
 
 
 def run_lifecycles(socket_path: str, pairs: int, tensors: int, nbytes: int, duration_s: float,
-                   rss_pid: int | None = None) -> dict:
+                   rss_pid: int | None = None, fused_hash: bool = True) -> dict:
     """Start ``pairs`` producer/consumer processes, run them together for ``duration_s``.
 
     Returns lifecycles/s (all pairs together), per-lifecycle seconds, the AND of the flags, which
     batch calls were used, and the peak VmRSS (KiB) of ``rss_pid`` sampled during the run.
     """
-    results, consumer_batch, peak = _run_pairs(
-        _producer_main, _consumer_main, lambda i: (socket_path,), pairs, tensors, nbytes, duration_s, rss_pid)
+    channels = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(pairs)]
+    try:
+        results, consumer_batch, peak = _run_pairs(
+            _producer_main, _consumer_main, lambda i: (socket_path, fused_hash, channels[i]),
+            pairs, tensors, nbytes, duration_s, rss_pid)
+    finally:
+        for pair in channels:
+            for end in pair:
+                end.close()
     samples = [s for r in results for s in r[1]]
     count = len(samples)
     wall = max(r[3] for r in results)

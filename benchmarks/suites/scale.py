@@ -59,7 +59,8 @@ SIZE_PEERS = ("memcpy", "bare_rtt", "grpc_inline", "mp_shared_memory", "segment_
 OURS = ("shm_put_hash", "shm_loan")
 # (b)
 FULL_PAIRS, QUICK_PAIRS = (1, 2, 4, 8, 16), (1, 4)
-LIFECYCLE_SHAPE = {"tensors": 4, "nbytes": 256 * KiB}
+LIFECYCLE_SHAPE = {"tensors": 4, "nbytes": 256 * KiB}  # a frontend's request: put with the digest fused
+SMALL_SHAPE = {"tensors": 1, "nbytes": 4 * KiB}  # one small object per handoff (audio chunks), no digest
 PAIR_DURATION_S = {True: 1.0, False: 3.0}
 # (c)
 OCCUPANCIES = (10, 30, 50, 70, 80, 90, 95)
@@ -117,6 +118,8 @@ def run(quick: bool) -> Report:
         _section(report, "latency_vs_size", latency_vs_size, sizes, workdir)
         _section(report, "throughput_vs_pairs", throughput_vs_pairs, QUICK_PAIRS if quick else FULL_PAIRS,
                  PAIR_DURATION_S[quick], workdir)
+        _section(report, "small_throughput_vs_pairs", throughput_vs_pairs, QUICK_PAIRS if quick else FULL_PAIRS,
+                 PAIR_DURATION_S[quick], workdir, SMALL_SHAPE, True, "small_throughput_vs_pairs", False)
         _section(report, "alloc_vs_occupancy", alloc_vs_occupancy, OCCUPANCIES, 400 if quick else 3000,
                  300 if quick else 2000)
         _section(report, "daemon_vs_leases", daemon_vs_leases, QUICK_LEASES if quick else FULL_LEASES,
@@ -242,7 +245,10 @@ def _inline_crossover(report: Report) -> None:
 # -- (b) throughput vs concurrent pairs ------------------------------------------------------------
 
 def throughput_vs_pairs(report: Report, pairs_list: tuple[int, ...], duration_s: float, workdir: str,
-                        shape: dict | None = None, grpc_line: bool = True) -> None:
+                        shape: dict | None = None, grpc_line: bool = True, curve: str = "throughput_vs_pairs",
+                        fused_hash: bool = True) -> None:
+    """Lifecycles per second with 1..N pairs; ``fused_hash``: our producers put with the digest
+    fused in (iceoryx2's and inline gRPC's producers compute none)."""
     from peers.lifecycle import run_grpc_inline_lifecycles, run_lifecycles
 
     shape = shape or LIFECYCLE_SHAPE
@@ -262,7 +268,8 @@ def throughput_vs_pairs(report: Report, pairs_list: tuple[int, ...], duration_s:
             runs = []
             if daemon is not None:
                 runs.append(("lifecycles_shm", lambda p=pairs: run_lifecycles(
-                    daemon.socket_path, pairs=p, duration_s=duration_s, rss_pid=daemon.pid, **shape)))
+                    daemon.socket_path, pairs=p, duration_s=duration_s, rss_pid=daemon.pid, fused_hash=fused_hash,
+                    **shape)))
             if grpc_line:
                 runs.append(("lifecycles_grpc_inline", lambda p=pairs: run_grpc_inline_lifecycles(
                     workdir, pairs=p, duration_s=duration_s, **shape)))
@@ -275,7 +282,8 @@ def throughput_vs_pairs(report: Report, pairs_list: tuple[int, ...], duration_s:
                 try:
                     cpu0 = process_cpu_s(daemon.pid) if name == "lifecycles_shm" else None
                     result = fn()
-                    extra = {"curve": "throughput_vs_pairs", "lifecycles_per_s": round(result["lifecycles_per_s"], 1),
+                    extra = {"curve": curve, "fused_hash": fused_hash and name == "lifecycles_shm",
+                             "lifecycles_per_s": round(result["lifecycles_per_s"], 1),
                              "gbps": round(result["lifecycles_per_s"] * request_nbytes / 1e9, 4)}
                     if cpu0 is not None:
                         count = len(result["samples"])
@@ -288,12 +296,18 @@ def throughput_vs_pairs(report: Report, pairs_list: tuple[int, ...], duration_s:
         if daemon is not None:
             daemon.stop()
     for name in ("lifecycles_shm", "lifecycles_grpc_inline", "lifecycles_iceoryx2"):
-        xs, ys = _series(report, "throughput_vs_pairs", name, "pairs", "lifecycles_per_s")
+        xs, ys = _series(report, curve, name, "pairs", "lifecycles_per_s")
         if xs:
-            report.add_curve(f"throughput_vs_pairs.{name}", "pairs", "lifecycles_per_s", xs, ys, "pairs",
-                             what="throughput")
-    report.notes.append(f"throughput_vs_pairs: each pair = a producer and a consumer process; request = "
-                        f"{shape['tensors']} x {size_label(shape['nbytes'])}; {duration_s:g} s per point; "
+            report.add_curve(f"{curve}.{name}", "pairs", "lifecycles_per_s", xs, ys, "pairs", what="throughput")
+    rates = {name: dict(zip(*_series(report, curve, name, "pairs", "lifecycles_per_s")))
+             for name in ("lifecycles_shm", "lifecycles_iceoryx2")}
+    if 1 in rates["lifecycles_shm"] and 1 in rates["lifecycles_iceoryx2"]:
+        key = f"{curve}_shm_over_iceoryx2_1pair"
+        report.ratios[key] = round(rates["lifecycles_shm"][1] / rates["lifecycles_iceoryx2"][1], 3)
+        report.targets[key] = ">= 0.3"
+    report.notes.append(f"{curve}: each pair = a producer and a consumer process; request = "
+                        f"{shape['tensors']} x {size_label(shape['nbytes'])} (our put "
+                        f"{'with' if fused_hash else 'without'} the fused digest); {duration_s:g} s per point; "
                         f"{os.cpu_count()} cores; lifecycles_iceoryx2 = one loaned sample per request (the "
                         f"arrays copied in), the consumer's digest check, the sample dropped, an ack event; no "
                         f"ray_put line (N drivers against one Ray cluster would measure its scheduler, not a "

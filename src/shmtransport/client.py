@@ -417,6 +417,12 @@ class Loan(_View):
     def __repr__(self) -> str:
         return f"Loan({self.handle!r}, {'released' if self._released else 'live'})"
 
+    def __del__(self):
+        # A committed loan's reference is its handle from then on (``Producer.release(handle)``,
+        # or the producer's close); only a loan dropped uncommitted and unreleased is a leak.
+        if not getattr(self, "committed", True):
+            super().__del__()
+
 
 class Lease(_View):
     """A consumer's read-only view of committed bytes, valid until ``release``."""
@@ -475,7 +481,7 @@ class _Client:
 
     _writable = False
     MAX_QUEUED_RELEASES = 256
-    GRANT_RETURN_DELAY_S = 0.1  # how often a producer with grants looks for ones to give back
+    GRANT_RETURN_DELAY_S = 0.1  # how often a producer with grants looks for ones to park or give back
 
     def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0, release_delay_s: float = 0.02,
                  *, daemon_uid: int | None = None):
@@ -676,7 +682,8 @@ class _Client:
         return tables is not None and self._live_table(tables) and tables.has_surplus
 
     def _return_grants(self) -> None:
-        """Give grants this producer no longer needs back to the daemon (background)."""
+        """Collect dead objects, park idle grants, give back the grants queued for return
+        (background)."""
         with self._lock:
             tables = self._tables
             if not self._surplus_grants():

@@ -26,11 +26,17 @@ HANDOFF_BIT = 63
 HANDOFF = 1 << HANDOFF_BIT
 
 LOANED, COMMITTED, HELD = 1, 2, 3  # slot states
+GRANT_ACTIVE, GRANT_PARKED, GRANT_TAKEN = 0, 1, 2  # a grant's state, in its first slot's grant_state
+
+
+def grant_word(grant_id: int, state: int) -> int:
+    """A grant's state word: tagged with its id, so a stale word never matches a later grant."""
+    return grant_id << 2 | state
 
 # The slot's fields, as the numpy view of ``columns`` names them (little-endian u64 each).
 SLOT_DTYPE = np.dtype([
     ("holders", "<u8"), ("generation", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"),
-    ("state", "<u8"), ("deadline_ns", "<u8"), ("owner", "<u8"), ("reserved", "<u8"),
+    ("state", "<u8"), ("deadline_ns", "<u8"), ("owner", "<u8"), ("grant_state", "<u8"),
 ])
 assert SLOT_DTYPE.itemsize == SLOT_NBYTES
 
@@ -105,6 +111,18 @@ class ObjectTable:
         if rc != 0:
             raise InvalidArgument(f"clear_bit({bit}, {first}, {last}) outside a table of {self.nslots} slots")
         return int(out[0]), int(out[1]), int(out[2])
+
+    def grant_cas(self, index: int, expected: int, desired: int) -> bool:
+        """Swap slot ``index``'s grant state word from ``expected`` to ``desired``; whether it was
+        ``expected``."""
+        out = self._ffi.new("uint64_t[1]")
+        rc = self._status(self._lib.shmt_grant_cas(self._ptr, self.nslots, index, expected, desired, out))
+        return rc is SlotStatus.OK
+
+    def set_grant_word(self, index: int, word: int) -> None:
+        """Daemon: the word of a new grant, whatever its slots' last grant left there."""
+        while not self.grant_cas(index, int(self.columns["grant_state"][index]), word):
+            pass  # only a stale producer's failing CAS can interleave, and it changes nothing
 
     def holders(self, index: int) -> int:
         return int(self.columns["holders"][index])

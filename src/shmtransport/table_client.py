@@ -6,7 +6,10 @@ grant's slots). An object's bytes come back to the producer when its slot's hold
 whoever dropped the last hold: the producer notices that lazily (``collect``), when it needs
 space. Grants it no longer needs go back to the daemon, which frees them once every object in
 them died; so do all of them when the session ends, which is what lets a handed-off object
-outlive its producer.
+outlive its producer. An empty grant a producer keeps for later is parked once the producer is
+idle: the daemon may then take it back for another producer (a compare-and-swap on the grant's
+state word), and the producer takes it back the same way before it places in it again. Space a
+producer holds idle is so never space the others wait for.
 
 A consumer holds an object with its session's bit; several leases on one object in one client
 share the bit (counted here), so the last of them clears it. (A client is a producer or a
@@ -22,7 +25,7 @@ from typing import Callable
 
 from .allocator import PAGE, Allocator
 from .errors import InvalidArgument, Reason, ResourceExhausted, StateError
-from .objtable import ObjectTable, SlotStatus, raise_for
+from .objtable import GRANT_ACTIVE, GRANT_PARKED, ObjectTable, SlotStatus, grant_word, raise_for
 from .v1 import daemon_pb2 as pb
 
 # Fault injection (the chaos harness): called with a step name between the steps of every
@@ -39,10 +42,10 @@ SLOT_PER_NBYTES = 4096  # a standard grant carries one slot per this many bytes
 MIN_GRANT_NBYTES = 64 * 1024
 MAX_GRANT_NBYTES = 16 << 20
 GRANT_ARENA_FRACTION = 64  # a standard grant is this fraction of the arena (within the bounds above)
-# A busy producer keeps its empty standard grants (as many as its peak of bytes in flight: a new
-# grant costs a round trip); once idle this long it gives them back, since space it holds empty is
-# space other producers cannot use.
-IDLE_RETURN_S = 0.5
+# A busy producer keeps its empty grants (as many as its peak of bytes in flight: a new grant
+# costs a round trip); once idle this long it parks them, so the daemon can hand their space to
+# other producers.
+IDLE_PARK_S = 0.5
 
 GrantCall = Callable[[int, int, list, int, bool], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms, retry)
 # A producer waiting for space looks at its own grants again after waits growing from the first to
@@ -56,9 +59,11 @@ class _Grant:
     offset: int
     nbytes: int
     allocator: Allocator
+    first_slot: int  # holds the grant's state word
     free_slots: collections.deque
     nslots: int
-    single: bool  # made for one object larger than a standard grant: given back with it
+    large: bool  # made for an object larger than a standard grant: holds one object at a time
+    parked: bool = False  # empty, and the daemon may take it
 
     @property
     def empty(self) -> bool:
@@ -150,8 +155,13 @@ class TableClient:
         return bool(empty)
 
     def _try_place(self, nbytes: int) -> Placed | None:
+        oversized = nbytes > self.standard_grant_nbytes
         for grant in reversed(self._grants):
-            if not grant.free_slots or grant.allocator.largest_free_nbytes < nbytes or (grant.single and not grant.empty):
+            if grant.large != oversized or not grant.free_slots or grant.allocator.largest_free_nbytes < nbytes:
+                continue
+            if grant.large and (not grant.empty or 2 * nbytes <= grant.nbytes):
+                continue  # one object at a time, and not one that would leave most of it idle
+            if grant.parked and not self._unpark(grant):
                 continue
             try:
                 local = grant.allocator.allocate(nbytes)
@@ -176,12 +186,34 @@ class TableClient:
         nslots = 64 if oversized else max(64, size // SLOT_PER_NBYTES)
         # Given back once sent, whatever the reply: the daemon applies returns before it allocates
         # (and orphans every grant of a session that ends anyway).
+        if oversized:
+            # Spare large grants that did not fit go back first, so the daemon has their space.
+            for grant in [g for g in self._grants if g.large and g.empty]:
+                self._grants.remove(grant)
+                self.give_back.append(grant.grant_id)
         give_back, self.give_back = self.give_back, []
         response = self._grant_rpc(size, nslots, give_back, wait_ms, retry)
         _step("t_after_grant")
         slots = collections.deque(range(response.first_slot, response.first_slot + response.nslots))
         self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes,
-                                   Allocator(response.nbytes), slots, response.nslots, oversized))
+                                   Allocator(response.nbytes), response.first_slot, slots, response.nslots,
+                                   oversized))
+
+    def _park(self, grant: _Grant) -> None:
+        # Only the daemon's PARKED -> TAKEN competes, so from ACTIVE this cannot fail.
+        self.table.grant_cas(grant.first_slot, grant_word(grant.grant_id, GRANT_ACTIVE),
+                             grant_word(grant.grant_id, GRANT_PARKED))
+        grant.parked = True
+
+    def _unpark(self, grant: _Grant) -> bool:
+        """Take a parked grant back before placing in it; False (and the grant forgotten) when
+        the daemon took it first."""
+        if self.table.grant_cas(grant.first_slot, grant_word(grant.grant_id, GRANT_PARKED),
+                                grant_word(grant.grant_id, GRANT_ACTIVE)):
+            grant.parked = False
+            return True
+        self._grants.remove(grant)
+        return False
 
     def commit(self, obj: Placed, hold_ms: int = 0) -> None:
         if hold_ms > self.max_hold_ms:
@@ -208,46 +240,46 @@ class TableClient:
         remaining = self.table.release(obj.slot, obj.generation, self.bit, cancel)
         _step("t_after_release")
         obj.held = False
-        if obj.grant.single:
-            # A large object's own grant goes back now, alive or not: the daemon frees it once the
-            # object died (at once, or when its consumers release), so large objects of several
-            # producers do not wait for each other's idle time.
-            del self._placed[obj.slot]
-            self._grants.remove(obj.grant)
-            self.give_back.append(obj.grant.grant_id)
-        elif remaining == 0:
+        if remaining == 0:
             self._reclaim(obj)
         else:
             self._released[obj.slot] = obj
 
     def collect(self) -> int:
-        """Take back the bytes of every placed object that died; once idle, queue the empty grants
-        to give back. The bytes reclaimed."""
+        """Take back the bytes of every placed object that died; once idle, park the empty
+        grants. The bytes reclaimed."""
         holders = self.table.columns["holders"]
         freed = 0
         for obj in list(self._released.values()):
             if holders[obj.slot] == 0:
                 freed += obj.nbytes
                 self._reclaim(obj)
-        if time.monotonic() - self._placed_at < IDLE_RETURN_S:
+        if time.monotonic() - self._placed_at < IDLE_PARK_S:
             return freed
-        for grant in list(self._grants):
-            if grant.empty:
-                self._grants.remove(grant)
-                self.give_back.append(grant.grant_id)
+        for grant in self._grants:
+            if grant.empty and not grant.parked:
+                self._park(grant)
         return freed
 
     @property
     def has_surplus(self) -> bool:
-        """Whether ``collect`` may have grants to return, now or once this producer is idle (its
-        owner then collects in the background)."""
-        return bool(self.give_back or self._grants)
+        """Whether ``collect`` may have work, now or once this producer is idle (its owner then
+        collects in the background): grants to give back, objects others still hold, grants to
+        park."""
+        return bool(self.give_back or self._released or any(not grant.parked for grant in self._grants))
 
     def _reclaim(self, obj: Placed) -> None:
         del self._placed[obj.slot]
         self._released.pop(obj.slot, None)
         obj.grant.allocator.free(obj.local_offset)
         obj.grant.free_slots.append(obj.slot)  # FIFO reuse: a slot's next generation comes late
+        if obj.grant.large:
+            # One spare large grant saves the next large object a round trip; more would only
+            # keep arena space from other producers.
+            spares = [g for g in self._grants if g.large and g.empty]
+            for grant in sorted(spares, key=lambda g: g.nbytes)[:-1]:
+                self._grants.remove(grant)
+                self.give_back.append(grant.grant_id)
 
     # -- consumer --------------------------------------------------------------------------------
     def acquire(self, slot: int, generation: int, offset: int, nbytes: int) -> None:

@@ -4,7 +4,8 @@ Clients with the C kernels loan, commit, acquire and release arena objects in th
 (``shmtransport.objtable``). The daemon only
 - gives each live session one holder bit (62 per tenant; later sessions use the RPC path);
 - grants producers space in large pieces: an arena byte range plus a range of slots, in which
-  the producer places objects itself (``Grant``);
+  the producer places objects itself (``Grant``); a producer parks an empty grant it keeps, and
+  the daemon takes parked grants back when another producer needs the space;
 - when a session ends, clears its bit in every slot and takes its grants over: an orphaned grant
   goes back to the arena once every object in it is dead;
 - ends hand-off windows: a committed object nobody acquired within the window is reclaimed (and
@@ -35,6 +36,9 @@ from ..errors import (
     StateError,
 )
 from ..objtable import (
+    GRANT_ACTIVE,
+    GRANT_PARKED,
+    GRANT_TAKEN,
     HANDOFF,
     HANDOFF_BIT,
     PROXY_BIT,
@@ -42,6 +46,7 @@ from ..objtable import (
     SLOT_NBYTES,
     ObjectTable,
     SlotStatus,
+    grant_word,
     raise_for,
 )
 from ..v1 import daemon_pb2 as pb
@@ -86,7 +91,7 @@ class ObjectBook:
         self._proxy_counts: dict[tuple[int, int], int] = {}  # (slot, generation) -> proxy leases
         self._proxy_leases: dict[int, ProxyLease] = {}
         self.counters = {"reclaimed_handoff_objects": 0, "reclaimed_handoff_nbytes": 0,
-                         "grants_total": 0}
+                         "grants_total": 0, "parked_grants_taken": 0}
         self._allocation_samples: collections.deque[tuple[float, int]] = collections.deque()
         self._next_handoff_scan = self._next_rate_sample = 0.0
 
@@ -139,6 +144,7 @@ class ObjectBook:
             ) from None
         grant = Grant(self._next_grant_id, session_id, offset, nbytes, first, nslots)
         self._next_grant_id += 1
+        self.table.set_grant_word(first, grant_word(grant.grant_id, GRANT_ACTIVE))
         self._grants[grant.grant_id] = grant
         self.counters["grants_total"] += 1
         return pb.GrantResponse(grant_id=grant.grant_id, offset=offset, nbytes=nbytes,
@@ -173,9 +179,31 @@ class ObjectBook:
             freed += grant.nbytes
         return freed
 
+    def take_parked(self, release_bytes) -> int:
+        """Take back every grant a live producer parked (empty, kept for its next objects) so
+        another producer can have the space; the bytes returned to the arena. The swap to TAKEN
+        fails when the producer took the grant back first, and then it is left alone."""
+        taken = 0
+        for grant in self._grants.values():
+            if grant.session_id is not None and self.table.grant_cas(
+                    grant.first_slot, grant_word(grant.grant_id, GRANT_PARKED), grant_word(grant.grant_id, GRANT_TAKEN)):
+                # Freed like an orphan, once its objects are dead: a parked grant has none, unless
+                # its producer broke the protocol, and then the bytes wait for those objects.
+                grant.session_id = None
+                taken += 1
+        self.counters["parked_grants_taken"] += taken
+        return self.reclaim_orphans(release_bytes) if taken else 0
+
     @property
     def granted_nbytes(self) -> int:
         return sum(g.nbytes for g in self._grants.values())
+
+    @property
+    def parked_nbytes(self) -> int:
+        """Of the granted bytes, those in grants their producers parked (the daemon may take them)."""
+        words = self.table.columns["grant_state"]
+        return sum(g.nbytes for g in self._grants.values()
+                   if g.session_id is not None and int(words[g.first_slot]) == grant_word(g.grant_id, GRANT_PARKED))
 
     # -- the janitor -----------------------------------------------------------------------------
     # Scans of the whole table are paced: a hand-off window of seconds needs no finer clock, and

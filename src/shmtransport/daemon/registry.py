@@ -233,7 +233,7 @@ class Registry:
                     offset = self.allocator.allocate(nbytes)
                     break
                 except ResourceExhausted:
-                    if self.objects.reclaim_orphans(self._free_granted):
+                    if self._make_room():
                         continue
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or nbytes > min(self.allocator.nbytes, self.quota_nbytes):
@@ -247,6 +247,13 @@ class Registry:
             except BaseException:
                 self.allocator.free(offset)
                 raise
+
+    def _make_room(self) -> bool:
+        """Free what the table lets go of without waiting (lock held): orphaned grants whose
+        objects died, and grants their producers parked. Whether any bytes came back."""
+        if self.objects is None:
+            return False
+        return bool(self.objects.reclaim_orphans(self._free_granted) or self.objects.take_parked(self._free_granted))
 
     def _free_granted(self, offset: int) -> None:
         """An orphaned grant whose objects all died goes back to the arena (lock held)."""
@@ -273,6 +280,8 @@ class Registry:
                 except ResourceExhausted:
                     for offset in offsets:
                         self.allocator.free(offset)
+                    if self._make_room():
+                        continue
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or total > min(self.allocator.nbytes, self.quota_nbytes):
                         self.counters["allocation_failures"] += 1
@@ -301,7 +310,12 @@ class Registry:
         with self._lock:
             self._live_session(session_id)
             try:
-                self._check_quota(total)
+                try:
+                    self._check_quota(total)
+                except ResourceExhausted:
+                    if not self._make_room():
+                        raise
+                    self._check_quota(total)
             except ResourceExhausted:
                 self.counters["allocation_failures"] += 1
                 raise
@@ -618,10 +632,12 @@ class Registry:
             recent = len(self._alloc_times)
             granted = self.objects.granted_nbytes if self.objects is not None else 0
             table = dict.fromkeys(("objects", "nbytes", "leases", "handoff", "reclaimed_handoff_objects",
-                                   "reclaimed_handoff_nbytes", "allocations_total", "allocations_per_s"), 0)
+                                   "reclaimed_handoff_nbytes", "allocations_total", "allocations_per_s",
+                                   "parked_nbytes", "parked_grants_taken"), 0)
             if self.objects is not None:
                 table.update(self.objects.snapshot(), **self.objects.counters,
                              allocations_total=self.objects.allocations_total,
+                             parked_nbytes=self.objects.parked_nbytes,
                              allocations_per_s=self.objects.allocation_rate(_RATE_WINDOW_S))
             clients = [
                 pb.ClientStat(
@@ -646,6 +662,8 @@ class Registry:
                 live_objects=len(self._objects) + table["objects"],
                 live_leases=len(self._leases) + table["leases"],
                 granted_nbytes=granted,
+                parked_nbytes=table["parked_nbytes"],
+                parked_grants_taken=table["parked_grants_taken"],
                 table_objects=table["objects"],
                 handoff_objects=table["handoff"],
                 reclaimed_handoff_objects=c["reclaimed_handoff_objects"] + table["reclaimed_handoff_objects"],

@@ -1,0 +1,127 @@
+"""Space granted to producers for the object table: kept while busy, parked once idle, and taken
+back by the daemon when another producer needs it, so space one producer holds idle is never
+space the others wait for. (Grants need the C kernels; without them loans go through the daemon.)
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+
+import numpy as np
+import pytest
+
+from shmtransport import objtable
+from shmtransport.client import Producer
+from shmtransport.objtable import GRANT_ACTIVE, GRANT_PARKED, GRANT_TAKEN, ObjectTable, grant_word
+from shmtransport.testing import wait_until
+
+pytestmark = pytest.mark.skipif(not objtable.available(), reason="grants need the C kernels")
+
+MiB = 1 << 20
+TIMEOUT_S = 30
+
+
+def _parked_all(daemon) -> bool:
+    s = daemon.stat()
+    return s.used_nbytes == 0 and s.granted_nbytes > 0 and s.parked_nbytes == s.granted_nbytes
+
+
+def test_an_idle_producers_grant_is_parked_and_reused_without_a_new_grant(make_daemon):
+    daemon = make_daemon(arena_nbytes=8 * MiB)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        producer.release(producer.put(np.ones(MiB, np.uint8)))
+        wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the emptied grant parked")
+        granted = daemon.stat().granted_nbytes
+        handle = producer.put(np.ones(MiB, np.uint8))  # taken back from parking: no new grant
+        s = daemon.stat()
+        assert (s.granted_nbytes, s.parked_nbytes, s.parked_grants_taken) == (granted, 0, 0)
+        producer.release(handle)
+
+
+@pytest.mark.parametrize("nbytes", [64 * 1024, 3 * MiB], ids=["standard-grant", "large-grant"])
+def test_the_daemon_takes_a_parked_grant_for_a_producer_that_needs_the_space(make_daemon, nbytes):
+    daemon = make_daemon(arena_nbytes=4 * MiB)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as idle, \
+            Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as busy:
+        idle.release(idle.put(np.ones(nbytes, np.uint8)))
+        wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the idle producer's grant parked")
+        # The whole arena, at once (no waiting for the idle producer to give anything back).
+        loan = busy.loan(4 * MiB)
+        assert daemon.stat().parked_grants_taken == 1
+        loan.release()
+        busy.flush()
+        # The idle producer finds its grant gone and gets a fresh one, from the busy one's parked.
+        wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the busy producer's grant parked")
+        data = np.arange(nbytes, dtype=np.uint8)
+        handle = idle.put(data)
+        assert daemon.stat().parked_grants_taken == 2
+        idle.release(handle)
+
+
+def test_a_parked_grant_goes_back_at_close_and_the_arena_is_whole_again(make_daemon):
+    daemon = make_daemon(arena_nbytes=8 * MiB)
+    producer = Producer(daemon.socket_path, timeout_s=TIMEOUT_S)
+    producer.release(producer.put(np.ones(MiB, np.uint8)))
+    wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the grant parked")
+    producer.close()
+    s = daemon.stat()
+    assert (s.granted_nbytes, s.parked_nbytes, s.free_nbytes) == (0, 0, s.arena.nbytes)
+
+
+# -- the grant word itself ------------------------------------------------------------------------
+def _table(nslots: int = 64) -> tuple[mmap.mmap, ObjectTable]:
+    memory = mmap.mmap(-1, objtable.table_nbytes(nslots))
+    return memory, ObjectTable(memoryview(memory), nslots)
+
+
+def test_a_stale_grant_word_never_matches_a_later_grant_of_the_same_slots():
+    memory, table = _table()
+    try:
+        table.set_grant_word(0, grant_word(7, GRANT_ACTIVE))
+        assert table.grant_cas(0, grant_word(7, GRANT_ACTIVE), grant_word(7, GRANT_PARKED))
+        assert table.grant_cas(0, grant_word(7, GRANT_PARKED), grant_word(7, GRANT_TAKEN))  # the daemon
+        table.set_grant_word(0, grant_word(8, GRANT_ACTIVE))  # the slots' next grant, parked by its producer
+        assert table.grant_cas(0, grant_word(8, GRANT_ACTIVE), grant_word(8, GRANT_PARKED))
+        # Grant 7's producer, late, tries to take its grant back: refused, grant 8 is untouched.
+        assert not table.grant_cas(0, grant_word(7, GRANT_PARKED), grant_word(7, GRANT_ACTIVE))
+        assert int(table.columns["grant_state"][0]) == grant_word(8, GRANT_PARKED)
+        # The object kernels leave the word alone.
+        generation = table.publish(0, 0, 4096, 1)
+        table.release(0, generation, 1)
+        assert int(table.columns["grant_state"][0]) == grant_word(8, GRANT_PARKED)
+    finally:
+        table.close()
+        memory.close()
+
+
+def test_a_producer_unparking_and_the_daemon_taking_never_both_win():
+    """One thread parks and unparks as a producer does, another takes as the daemon does: once
+    the daemon won, the producer's next unpark fails, and before that every unpark won."""
+    memory, table = _table()
+    parked, active, taken = (grant_word(3, s) for s in (GRANT_PARKED, GRANT_ACTIVE, GRANT_TAKEN))
+    table.set_grant_word(0, active)
+    stop = threading.Event()
+    producer_lost = threading.Event()
+    broken: list[str] = []
+
+    def producer() -> None:
+        while not stop.is_set():
+            if not table.grant_cas(0, active, parked):  # only the producer leaves ACTIVE
+                broken.append("park from ACTIVE failed")
+                return
+            if not table.grant_cas(0, parked, active):
+                producer_lost.set()
+                return
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    try:
+        wait_until(lambda: table.grant_cas(0, parked, taken), timeout_s=10, interval_s=0, what="the daemon's take")
+        thread.join(10)
+        assert not broken
+        assert producer_lost.is_set() and int(table.columns["grant_state"][0]) == taken
+    finally:
+        stop.set()
+        thread.join(10)
+        table.close()
+        memory.close()
