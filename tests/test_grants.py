@@ -5,7 +5,10 @@ space the others wait for. (Grants need the C kernels; without them loans go thr
 from __future__ import annotations
 
 import mmap
+import os
+import socket
 import threading
+import urllib.request
 
 import numpy as np
 import pytest
@@ -19,6 +22,20 @@ pytestmark = pytest.mark.skipif(not objtable.available(), reason="grants need th
 
 MiB = 1 << 20
 TIMEOUT_S = 30
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f'{name}{{tenant="uid:{os.geteuid()}"}} '):
+                return float(line.rpartition(" ")[2])
+    raise KeyError(name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _parked_all(daemon) -> bool:
@@ -40,14 +57,17 @@ def test_an_idle_producers_grant_is_parked_and_reused_without_a_new_grant(make_d
 
 @pytest.mark.parametrize("nbytes", [64 * 1024, 3 * MiB], ids=["standard-grant", "large-grant"])
 def test_the_daemon_takes_a_parked_grant_for_a_producer_that_needs_the_space(make_daemon, nbytes):
-    daemon = make_daemon(arena_nbytes=4 * MiB)
+    port = _free_port()
+    daemon = make_daemon(arena_nbytes=4 * MiB, metrics_port=port)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as idle, \
             Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as busy:
         idle.release(idle.put(np.ones(nbytes, np.uint8)))
         wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the idle producer's grant parked")
+        assert _metric(port, "shmtransport_parked_nbytes") == daemon.stat().parked_nbytes > 0
         # The whole arena, at once (no waiting for the idle producer to give anything back).
         loan = busy.loan(4 * MiB)
         assert daemon.stat().parked_grants_taken == 1
+        assert _metric(port, "shmtransport_parked_grants_taken_total") == 1
         loan.release()
         busy.flush()
         # The idle producer finds its grant gone and gets a fresh one, from the busy one's parked.

@@ -72,7 +72,8 @@ def _run_stat(args: argparse.Namespace) -> int:
     print(f"arena           {s.arena.nbytes / mib:.1f} MiB")
     print(f"used / free     {s.used_nbytes / mib:.1f} MiB / {s.free_nbytes / mib:.1f} MiB")
     print(f"largest free    {s.largest_free_nbytes / mib:.1f} MiB in {s.free_extents} extent(s)")
-    print(f"granted         {s.granted_nbytes / mib:.1f} MiB to producers (placed in shared memory)")
+    print(f"granted         {s.granted_nbytes / mib:.1f} MiB to producers (placed in shared memory), "
+          f"{s.parked_nbytes / mib:.1f} MiB of it parked by idle producers ({s.parked_grants_taken} grants taken back)")
     print(f"objects/leases  {s.live_objects} / {s.live_leases} ({s.table_objects} objects in the object table, "
           f"{s.handoff_objects} waiting for a first acquire)")
     print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")

@@ -25,6 +25,7 @@ _GAUGES = {
     "used_nbytes": "Arena bytes held by live objects",
     "free_nbytes": "Arena bytes neither used nor granted",
     "granted_nbytes": "Arena bytes granted to producers for the object table (their objects count in used too)",
+    "parked_nbytes": "Of the granted bytes, those in grants idle producers parked (the daemon takes them when needed)",
     "largest_free_nbytes": "Largest free extent in bytes",
     "free_extents": "Number of free extents (fragmentation)",
     "live_objects": "Live allocations",
@@ -47,6 +48,7 @@ _COUNTERS = {
     "reclaimed_death_leases": "Leases dropped because their holder's session died",
     "reclaimed_handoff_objects": "Committed objects reclaimed because nobody acquired them within the hand-off window",
     "reclaimed_handoff_nbytes": "Bytes of the objects reclaimed at the end of their hand-off window",
+    "parked_grants_taken": "Grants idle producers parked that the daemon took back for others",
     "sessions_total": "Client sessions opened",
 }
 UNIX_PREFIX = "unix:"
