@@ -1,26 +1,72 @@
-"""``shmtransport`` console script: ``daemon`` runs shmtransportd, ``stat`` prints its state,
-``worker`` runs the reference Generator worker server (small torch model over shared-memory tensors),
-``vllm-worker`` runs vLLM's engine behind the same service (``shmtransport vllm-worker --help``)."""
+"""``shmtransport`` console script: ``daemon`` runs shmtransportd; ``stat``, ``ls`` and ``health``
+look into a running one; ``worker`` runs the reference Generator worker server (small torch model
+over shared-memory tensors); ``vllm-worker`` runs vLLM's engine behind the same service
+(``shmtransport vllm-worker --help``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
 import threading
 
+from . import BACKEND, __version__
 from .daemon.config import DaemonConfig, default_socket_path
 from .errors import ShmTransportError
+
+# sun_path is 108 bytes on Linux, the terminating NUL included.
+_MAX_SOCKET_PATH_NBYTES = 107
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistake on the command line is one line on stderr and exit status 2 (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _size(text: str) -> int:
     """Bytes from '1073741824', '512M', '4G', '64KiB'."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    try:
+        if t and t[-1] in units:
+            value = int(float(t[:-1]) * units[t[-1]])
+        else:
+            value = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with K, M, G or T (e.g. 512M, 4GiB)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size cannot be negative")
+    return value
+
+
+def _arena_size(text: str) -> int:
+    value = _size(text)
+    if value < 4096:
+        raise argparse.ArgumentTypeError(f"{text!r}: the arena needs at least one 4 KiB page")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot be negative")
+    return value
+
+
+def _check_socket_paths(config: DaemonConfig) -> str | None:
+    for path in (config.socket_path, config.session_socket_path):
+        if len(os.fsencode(path)) > _MAX_SOCKET_PATH_NBYTES:
+            return (f"socket path {path!r} is {len(os.fsencode(path))} bytes; a Unix socket path may have at most "
+                    f"{_MAX_SOCKET_PATH_NBYTES}: choose a shorter --socket")
+    return None
 
 
 def _run_daemon(args: argparse.Namespace) -> int:
@@ -44,14 +90,18 @@ def _run_daemon(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
     )
+    problem = _check_socket_paths(config)
+    if problem is not None:
+        print(f"shmtransportd: {problem}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     daemon = Daemon(config)
     try:
         daemon.start()
-    except ShmTransportError as exc:
-        print(f"shmtransportd: {exc}", file=sys.stderr)
+    except (ShmTransportError, ValueError, OSError) as exc:  # a failed start undid itself: say why, once
+        print(f"shmtransportd: cannot start: {exc}", file=sys.stderr)
         return 2
     print(f"shmtransportd ready: socket {daemon.socket_path}", flush=True)
     try:
@@ -61,11 +111,28 @@ def _run_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_json(message) -> str:
+    from google.protobuf.json_format import MessageToJson
+
+    return MessageToJson(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _without_session(clients, session_id: str) -> None:
+    """Drop the CLI's own session from a reply's client list: it is not one of the daemon's users."""
+    for i in reversed(range(len(clients))):
+        if clients[i].session_id == session_id:
+            del clients[i]
+
+
 def _run_stat(args: argparse.Namespace) -> int:
     from .client import Consumer
 
     with Consumer(args.socket, timeout_s=args.timeout_s) as client:
         s = client.stat()
+        _without_session(s.clients, client.session_id)
+    if args.json:
+        print(_to_json(s))
+        return 0
     mib = 1 << 20
     print(f"instance        {s.arena.instance_id}  segment {s.arena.segment_name}  tenant {s.tenant}")
     print(f"shm namespace   {s.arena.shm_namespace}")
@@ -84,12 +151,83 @@ def _run_stat(args: argparse.Namespace) -> int:
           f"({s.quarantined_leases_total} ever)")
     print(f"tenant quota    {s.quota_nbytes / mib:.1f} MiB ({s.dedicated_nbytes / mib:.1f} MiB in dedicated "
           f"segments), {s.quota_leases} leases")
+    print(f"clients         {len(s.clients)}")
     for c in s.clients:
         print(
-            f"  client pid {c.pid} uid {c.uid}: loaned {c.loaned_nbytes} B, committed {c.committed_nbytes} B, "
-            f"{c.leases} leases"
+            f"  pid {c.pid} uid {c.uid} session {c.session_id[:8]}: loaned {c.loaned_nbytes} B, "
+            f"committed {c.committed_nbytes} B, {c.leases} leases held by the daemon"
         )
     return 0
+
+
+def _state_of(info) -> str:
+    return "handoff" if info.handoff and info.state == "committed" else info.state
+
+
+def _run_ls(args: argparse.Namespace) -> int:
+    """``ray memory`` for shmtransport: the tenant's live objects and who holds them."""
+    from .client import Consumer
+
+    with Consumer(args.socket, timeout_s=args.timeout_s) as client:
+        listing = client.list_objects(args.limit)
+        _without_session(listing.clients, client.session_id)
+    kept = [o for o in listing.objects
+            if (args.pid is None or args.pid == o.owner_pid or args.pid in o.holder_pids)
+            and (args.session is None or o.owner_session.startswith(args.session)
+                 or any(s.startswith(args.session) for s in o.holder_sessions))
+            and (args.state is None or _state_of(o) == args.state)
+            and o.nbytes >= args.min_size]
+    del listing.objects[:]
+    listing.objects.extend(kept)
+    if args.json:
+        print(_to_json(listing))
+        return 0
+    print(f"{'SLOT':>6} {'OFFSET':>12} {'NBYTES':>12} {'STATE':<9} {'AGE_S':>8} {'OWNER':<18} HOLDERS (pid/session)")
+    for o in kept:
+        owner = f"{o.owner_pid}/{o.owner_session[:8]}" if o.owner_session else "(gone)"
+        holders = " ".join(f"{pid}/{s[:8]}" for pid, s in zip(o.holder_pids, o.holder_sessions)) or "-"
+        age = f"{o.age_s:.1f}" if o.age_s >= 0 else "-"
+        where = o.segment_name or (str(o.offset))
+        print(f"{o.slot or '-':>6} {where:>12} {o.nbytes:>12} {_state_of(o):<9} {age:>8} {owner:<18} {holders}")
+    shown = f"{len(kept)} shown of {listing.total_objects} live objects (tenant {listing.tenant})"
+    print(shown + ("; the daemon sent the largest only (--limit)" if len(listing.objects) < listing.total_objects
+                   and len(kept) == len(listing.objects) else ""))
+    return 0
+
+
+def _run_health(args: argparse.Namespace) -> int:
+    """One line: is the daemon at this socket serving, and can this process use it. Exit 0 or 1."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .client import Consumer
+
+    report = {"socket": args.socket, "status": "unhealthy"}
+    try:
+        with grpc.insecure_channel(f"unix:{args.socket}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="shmtransport.v1.Daemon"), timeout=args.timeout_s)
+        if check.status != health_pb2.HealthCheckResponse.SERVING:
+            raise ShmTransportError(f"the daemon reports {health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)}")
+        with Consumer(args.socket, timeout_s=args.timeout_s) as client:
+            s = client.stat()
+            _without_session(s.clients, client.session_id)
+        report.update(status="ok", instance_id=s.arena.instance_id, tenant=s.tenant, arena_nbytes=s.arena.nbytes,
+                      used_nbytes=s.used_nbytes, clients=len(s.clients), kernels=BACKEND)
+    except grpc.RpcError as exc:
+        report["reason"] = f"no daemon answering at {args.socket}: {exc.code().name}"
+    except (ShmTransportError, OSError) as exc:
+        report["reason"] = str(exc)
+    if args.json:
+        print(json.dumps(report))
+    elif report["status"] == "ok":
+        used = 100 * report["used_nbytes"] / max(report["arena_nbytes"], 1)
+        print(f"ok: shmtransportd {report['instance_id']} at {args.socket}, tenant {report['tenant']}, arena "
+              f"{report['arena_nbytes'] / (1 << 20):.1f} MiB ({used:.0f}% used), {report['clients']} clients, "
+              f"kernels {BACKEND}")
+    else:
+        print(f"unhealthy: {report['reason']}")
+    return 0 if report["status"] == "ok" else 1
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -121,15 +259,24 @@ def _run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", default=default_socket_path(),
+                        help="the daemon's socket (default: $SHMTRANSPORT_SOCKET, else %(default)s)")
+    parser.add_argument("--timeout-s", type=float, default=5.0)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--log-level", default="WARNING")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shmtransport", description=__doc__)
+    parser = _Parser(prog="shmtransport", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"shmtransport {__version__} (kernels: {BACKEND})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("daemon", help="run the node-local shared-memory daemon")
     d.add_argument("--socket", default=default_socket_path(),
                    help="Unix socket path; its directory (created if missing) must be writable by this uid only "
                         "(default: $SHMTRANSPORT_SOCKET, else %(default)s)")
-    d.add_argument("--arena-size", type=_size, default=None,
+    d.add_argument("--arena-size", type=_arena_size, default=None,
                    help="arena bytes per tenant (default: half of /dev/shm free, split between the tenants)")
     d.add_argument("--name-prefix", default="shmt", help="prefix of segment names (default: %(default)s)")
     d.add_argument("--allow-uid", type=int, action="append",
@@ -156,10 +303,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_run_daemon)
 
     s = sub.add_parser("stat", help="print the daemon's arena, leases and reclaim counters")
-    s.add_argument("--socket", default=default_socket_path())
-    s.add_argument("--timeout-s", type=float, default=5.0)
-    s.add_argument("--log-level", default="WARNING")
+    _client_options(s)
     s.set_defaults(func=_run_stat)
+
+    ls = sub.add_parser("ls", help="list the live objects of your tenant: size, state, age, owner and holders")
+    _client_options(ls)
+    ls.add_argument("--pid", type=int, default=None, help="only objects this process made or holds")
+    ls.add_argument("--session", default=None, help="only objects of this session (a prefix of its id)")
+    ls.add_argument("--state", choices=("loaned", "committed", "handoff", "held"), default=None,
+                    help="handoff: committed, waiting for a first acquire")
+    ls.add_argument("--min-size", type=_size, default=0, help="only objects of at least this many bytes")
+    ls.add_argument("--limit", type=_count, default=0, help="the daemon sends at most this many, largest first")
+    ls.set_defaults(func=_run_ls)
+
+    h = sub.add_parser("health", help="one line: whether the daemon serves and this process can use it (exit 0/1)")
+    _client_options(h)
+    h.set_defaults(func=_run_health)
 
     w = sub.add_parser("worker", help="run the Generator worker server (small torch model, shm tensors)")
     w.add_argument("--socket", default="/tmp/shmtransport-worker.sock", help="Unix socket to serve gRPC on")

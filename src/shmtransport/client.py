@@ -507,9 +507,21 @@ class _Client:
     def instance_id(self) -> str:
         return self._conn.instance_id
 
+    @property
+    def session_id(self) -> str:
+        """This client's session with the daemon (as Stat and List name it)."""
+        self._conn.ensure()
+        return self._conn.hello["session_id"]
+
     def stat(self) -> pb.StatResponse:
         self.flush(strict=False)
         return self._call("Stat", pb.StatRequest())
+
+    def list_objects(self, limit: int = 0) -> pb.ListResponse:
+        """Every live object of this client's tenant, largest first (at most ``limit``; 0: the
+        daemon's cap), with its state, producer and holders (``shmtransport ls``)."""
+        self.flush(strict=False)
+        return self._call("List", pb.ListRequest(limit=limit))
 
     def flush(self, strict: bool = True) -> None:
         """Send every queued release now (one RPC per batch). Returns once every release queued

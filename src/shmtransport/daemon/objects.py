@@ -36,11 +36,14 @@ from ..errors import (
     StateError,
 )
 from ..objtable import (
+    COMMITTED,
     GRANT_ACTIVE,
     GRANT_PARKED,
     GRANT_TAKEN,
     HANDOFF,
     HANDOFF_BIT,
+    HELD,
+    LOANED,
     PROXY_BIT,
     SESSION_BITS,
     SLOT_NBYTES,
@@ -322,6 +325,37 @@ class ObjectBook:
             "leases": leases + self.proxy_leases,
             "handoff": int(((holders & np.uint64(HANDOFF)) != 0).sum()),
         }
+
+    _STATE_NAMES = {LOANED: "loaned", COMMITTED: "committed", HELD: "held"}
+
+    def list_objects(self) -> list[pb.ObjectInfo]:
+        """Every live object in the table, with its producer's and holders' sessions (one holder
+        entry per session bit and per proxied lease). Age is known for committed objects: their
+        deadline is the commit time plus the hand-off window."""
+        cols = self.table.columns
+        holders = cols["holders"].copy()  # one read: the words keep changing under us
+        session_of = {bit: session_id for session_id, bit in self._bits.items()}
+        proxied = collections.defaultdict(list)
+        for lease in self._proxy_leases.values():
+            proxied[(lease.slot, lease.generation)].append(lease.session_id)
+        now_ns, window_ns = time.monotonic_ns(), self.handoff_window_ms * 1_000_000
+        infos = []
+        for index in np.flatnonzero(holders).tolist():
+            word, generation = int(holders[index]), int(cols["generation"][index])
+            state, owner_bit = int(cols["state"][index]), int(cols["owner"][index])
+            bits = word & ((1 << SESSION_BITS) - 1) & ~(1 << owner_bit)
+            sessions = []
+            while bits:
+                low = bits & -bits
+                sessions.append(session_of.get(low.bit_length() - 1, ""))
+                bits ^= low
+            sessions += proxied.get((index, generation), [])
+            age_s = (now_ns - int(cols["deadline_ns"][index]) + window_ns) / 1e9 if state == COMMITTED else -1.0
+            infos.append(pb.ObjectInfo(
+                offset=int(cols["offset"][index]), nbytes=int(cols["nbytes"][index]), generation=generation,
+                slot=index + 1, state=self._STATE_NAMES.get(state, str(state)), handoff=bool(word & HANDOFF),
+                owner_session=session_of.get(owner_bit, ""), holder_sessions=sessions, age_s=age_s))
+        return infos
 
     def close(self) -> None:
         self.table.close()

@@ -53,6 +53,7 @@ _log = logging.getLogger("shmtransport.daemon")
 _RATE_WINDOW_S = 5.0
 _HOLD, _LEASE = 0, 1  # kinds of TTL deadlines
 MAX_BATCH = 4096  # entries in one Loan/Commit/Acquire/Release; clients split larger ones
+LIST_LIMIT = 10_000  # objects in one List answer (a 4 MiB message holds ~40k; the largest come first)
 
 
 class ObjState(enum.Enum):
@@ -97,6 +98,7 @@ class Allocation:
     # Dedicated segment per object (LoanRequest.dedicated): the object's own segment; ``offset`` is
     # then the registry key ``-generation`` (never an arena offset) and the handle says offset 0.
     segment: Segment | None = None
+    created_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -626,6 +628,40 @@ class Registry:
         )
 
     # -- introspection ---------------------------------------------------------------------------
+    def _client_stats(self) -> list[pb.ClientStat]:
+        return [pb.ClientStat(session_id=s.session_id, pid=s.pid, uid=s.uid, loaned_nbytes=s.loaned_nbytes,
+                              committed_nbytes=s.committed_nbytes, leases=len(s.leases))
+                for s in self._sessions.values()]
+
+    def list_objects(self, limit: int = 0) -> pb.ListResponse:
+        """Every live object of the tenant, largest first (at most ``limit``, capped at
+        LIST_LIMIT): where it is, its state, its producer and its holders, with their pids."""
+        limit = min(limit or LIST_LIMIT, LIST_LIMIT)
+        with self._lock:
+            now = time.monotonic()
+            pid_of = {session_id: s.pid for session_id, s in self._sessions.items()}
+            infos = []
+            for obj in self._objects.values():
+                infos.append(pb.ObjectInfo(
+                    offset=0 if obj.segment is not None else obj.offset, nbytes=obj.nbytes,
+                    generation=obj.generation,
+                    state="held" if obj.hold_until and not obj.handoff else obj.state.value, handoff=obj.handoff,
+                    owner_session=obj.owner if obj.owner in pid_of else "",
+                    holder_sessions=[self._leases[i].session_id for i in sorted(obj.leases) if i in self._leases],
+                    age_s=now - obj.created_at, segment_name=obj.segment.name if obj.segment is not None else ""))
+            if self.objects is not None:
+                infos.extend(self.objects.list_objects())
+            total = len(infos)
+            infos.sort(key=lambda info: -info.nbytes)
+            del infos[limit:]
+            for info in infos:
+                if info.owner_session not in pid_of:
+                    info.owner_session = ""  # its producer is gone (a handed-off object)
+                info.owner_pid = pid_of.get(info.owner_session, 0)
+                info.holder_pids.extend(pid_of.get(s, 0) for s in info.holder_sessions)
+            return pb.ListResponse(tenant=self.tenant, objects=infos, total_objects=total,
+                                   clients=self._client_stats())
+
     def stat(self) -> pb.StatResponse:
         with self._lock:
             self._prune_rate_window(time.monotonic())
@@ -639,17 +675,7 @@ class Registry:
                              allocations_total=self.objects.allocations_total,
                              parked_nbytes=self.objects.parked_nbytes,
                              allocations_per_s=self.objects.allocation_rate(_RATE_WINDOW_S))
-            clients = [
-                pb.ClientStat(
-                    session_id=s.session_id,
-                    pid=s.pid,
-                    uid=s.uid,
-                    loaned_nbytes=s.loaned_nbytes,
-                    committed_nbytes=s.committed_nbytes,
-                    leases=len(s.leases),
-                )
-                for s in self._sessions.values()
-            ]
+            clients = self._client_stats()
             a = self.allocator
             c = self.counters
             return pb.StatResponse(

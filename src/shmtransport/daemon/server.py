@@ -238,6 +238,11 @@ class _Servicer(pb_grpc.DaemonServicer):
         _, tenant = self._session(context)
         return self._daemon.stat(tenant)
 
+    @_typed_errors
+    def List(self, request, context):
+        _, tenant = self._session(context)
+        return tenant.registry.list_objects(request.limit)
+
 
 class Daemon:
     """The node-local daemon; embeddable (``with Daemon(config): ...``) or run by the CLI."""

@@ -231,3 +231,49 @@ class StatResponse(_message.Message):
     parked_nbytes: int
     parked_grants_taken: int
     def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ..., granted_nbytes: _Optional[int] = ..., table_objects: _Optional[int] = ..., handoff_objects: _Optional[int] = ..., reclaimed_handoff_objects: _Optional[int] = ..., reclaimed_handoff_nbytes: _Optional[int] = ..., parked_nbytes: _Optional[int] = ..., parked_grants_taken: _Optional[int] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ObjectInfo(_message.Message):
+    __slots__ = ("offset", "nbytes", "generation", "slot", "state", "handoff", "owner_session", "owner_pid", "holder_pids", "holder_sessions", "age_s", "segment_name")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    OWNER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PID_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    generation: int
+    slot: int
+    state: str
+    handoff: bool
+    owner_session: str
+    owner_pid: int
+    holder_pids: _containers.RepeatedScalarFieldContainer[int]
+    holder_sessions: _containers.RepeatedScalarFieldContainer[str]
+    age_s: float
+    segment_name: str
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., slot: _Optional[int] = ..., state: _Optional[str] = ..., handoff: _Optional[bool] = ..., owner_session: _Optional[str] = ..., owner_pid: _Optional[int] = ..., holder_pids: _Optional[_Iterable[int]] = ..., holder_sessions: _Optional[_Iterable[str]] = ..., age_s: _Optional[float] = ..., segment_name: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("tenant", "objects", "total_objects", "clients")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
+    total_objects: int
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStat]
+    def __init__(self, tenant: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., total_objects: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ...) -> None: ...

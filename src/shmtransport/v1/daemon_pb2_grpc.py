@@ -69,6 +69,11 @@ class DaemonStub:
                 request_serializer=shmtransport_dot_v1_dot_daemon__pb2.StatRequest.SerializeToString,
                 response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.StatResponse.FromString,
                 _registered_method=True)
+        self.List = channel.unary_unary(
+                '/shmtransport.v1.Daemon/List',
+                request_serializer=shmtransport_dot_v1_dot_daemon__pb2.ListRequest.SerializeToString,
+                response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.ListResponse.FromString,
+                _registered_method=True)
 
 
 class DaemonServicer:
@@ -116,6 +121,12 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.Stat,
                     request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.StatRequest.FromString,
                     response_serializer=shmtransport_dot_v1_dot_daemon__pb2.StatResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.ListRequest.FromString,
+                    response_serializer=shmtransport_dot_v1_dot_daemon__pb2.ListResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class Daemon:
             '/shmtransport.v1.Daemon/Stat',
             shmtransport_dot_v1_dot_daemon__pb2.StatRequest.SerializeToString,
             shmtransport_dot_v1_dot_daemon__pb2.StatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shmtransport.v1.Daemon/List',
+            shmtransport_dot_v1_dot_daemon__pb2.ListRequest.SerializeToString,
+            shmtransport_dot_v1_dot_daemon__pb2.ListResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,156 @@
+"""The console script from the outside: ``--version``, ``ls``, ``stat --json``, ``health``, and one
+clear line (exit 2) for every mistake on the command line. Each call is a real process."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from shmtransport import BACKEND, __version__
+from shmtransport.client import Consumer, Producer
+from shmtransport.testing import remove_tree, segments_of, short_tmpdir, wait_until
+
+TIMEOUT_S = 60
+MiB = 1 << 20
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shmtransport", *args], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+@pytest.fixture
+def tmpdir_short():
+    path = short_tmpdir()
+    yield path
+    remove_tree(path)
+
+
+def test_version_names_the_package_version_and_the_kernels():
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"shmtransport {__version__} (kernels: {BACKEND})"
+
+
+def _listening_port() -> tuple[socket.socket, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock, sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("mistake", ["arena 0", "size typo", "negative size", "socket path too long",
+                                     "metrics port in use", "unknown flag", "bad number"])
+def test_a_command_line_mistake_is_one_line_and_exit_2(mistake, tmpdir_short, new_prefix):
+    prefix = new_prefix()
+    sock = os.path.join(tmpdir_short, "d.sock")
+    base = ["daemon", "--socket", sock, "--name-prefix", prefix]
+    busy = None
+    args = {
+        "arena 0": base + ["--arena-size", "0"],
+        "size typo": base + ["--arena-size", "8GB2"],
+        "negative size": base + ["--arena-size=-4M"],
+        "socket path too long": ["daemon", "--socket", os.path.join(tmpdir_short, "s" * 120 + ".sock"),
+                                 "--arena-size", "4M", "--name-prefix", prefix],
+        "unknown flag": ["ls", "--colour"],
+        "bad number": ["ls", "--limit", "-1"],
+    }.get(mistake)
+    if mistake == "metrics port in use":
+        busy, port = _listening_port()
+        args = base + ["--arena-size", "4M", "--metrics-port", str(port)]
+    try:
+        result = run_cli(*args)
+    finally:
+        if busy is not None:
+            busy.close()
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    expected = {"arena 0": "4 KiB page", "size typo": "not a size", "negative size": "negative",
+                "socket path too long": "at most 107", "metrics port in use": "cannot start",
+                "unknown flag": "--colour", "bad number": "negative"}[mistake]
+    assert expected in lines[0]
+    assert segments_of(prefix) == []  # a failed start leaves nothing behind
+
+
+def _cli_json(*args: str) -> dict:
+    result = run_cli(*args, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
+def test_ls_lists_every_live_object_with_its_state_owner_and_holders(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots)
+    sock = daemon.socket_path
+    with Producer(sock, timeout_s=TIMEOUT_S) as producer, Consumer(sock, timeout_s=TIMEOUT_S) as consumer:
+        held = producer.put(np.ones(2 * MiB, np.uint8))
+        lease = consumer.acquire(held)
+        waiting = producer.put(np.ones(MiB, np.uint8))  # committed, nobody acquired it yet
+        loan = producer.loan(4096)
+        listing = _cli_json("ls", "--socket", sock)
+        by_size = {int(o["nbytes"]): o for o in listing["objects"]}
+        assert int(listing["total_objects"]) == 3 and sorted(by_size) == [4096, MiB, 2 * MiB]
+        big, mid, small = by_size[2 * MiB], by_size[MiB], by_size[4096]
+        assert (big["state"], big["handoff"], mid["state"], mid["handoff"], small["state"]) == (
+            "committed", False, "committed", True, "loaned")
+        me = os.getpid()
+        assert {big["owner_pid"], mid["owner_pid"], small["owner_pid"]} == {me}
+        assert big["owner_session"] == producer.session_id
+        assert big["holder_pids"] == [me] and big["holder_sessions"] == [consumer.session_id]
+        assert mid["holder_pids"] == [] and small["holder_pids"] == []
+        assert big["age_s"] >= 0
+        # The CLI's own session is not listed among the clients.
+        assert {c["session_id"] for c in listing["clients"]} == {producer.session_id, consumer.session_id}
+        # Filters.
+        assert [int(o["nbytes"]) for o in _cli_json("ls", "--socket", sock, "--state", "handoff")["objects"]] == [MiB]
+        assert [int(o["nbytes"]) for o in _cli_json("ls", "--socket", sock, "--min-size", "1.5M")["objects"]] == [2 * MiB]
+        assert _cli_json("ls", "--socket", sock, "--pid", "1")["objects"] == []
+        assert len(_cli_json("ls", "--socket", sock, "--session", consumer.session_id[:8])["objects"]) == 1
+        assert [int(o["nbytes"]) for o in _cli_json("ls", "--socket", sock, "--limit", "1")["objects"]] == [2 * MiB]
+        table = run_cli("ls", "--socket", sock)
+        assert table.returncode == 0 and "3 shown of 3 live objects" in table.stdout
+        lease.release()
+        loan.release()
+        for h in (held, waiting):
+            producer.release(h)
+        del lease
+
+
+def test_ls_shows_a_handed_off_object_whose_producer_is_gone(make_daemon):
+    daemon = make_daemon()
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.ones(4096, np.uint8))
+    [obj] = _cli_json("ls", "--socket", daemon.socket_path)["objects"]
+    assert (obj["owner_pid"], obj["owner_session"], obj["handoff"]) == (0, "", True)
+    with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        consumer.acquire(handle).release()
+    wait_until(lambda: daemon.stat().live_objects == 0, what="the handed-off object released")
+
+
+def test_stat_json_parses_and_leaves_out_the_clis_own_session(make_daemon):
+    daemon = make_daemon()
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.ones(MiB, np.uint8))
+        stat = _cli_json("stat", "--socket", daemon.socket_path)
+        assert [c["session_id"] for c in stat["clients"]] == [producer.session_id]
+        assert int(stat["arena"]["nbytes"]) == daemon.arena_info.nbytes and int(stat["used_nbytes"]) >= MiB
+        text = run_cli("stat", "--socket", daemon.socket_path)
+        assert text.returncode == 0 and "clients         1" in text.stdout
+        producer.release(handle)
+
+
+def test_health_is_one_line_ok_with_a_daemon_and_unhealthy_without(make_daemon, tmpdir_short):
+    daemon = make_daemon()
+    ok = run_cli("health", "--socket", daemon.socket_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: shmtransportd ") and len(ok.stdout.splitlines()) == 1
+    report = _cli_json("health", "--socket", daemon.socket_path)
+    assert (report["status"], report["instance_id"], report["clients"]) == ("ok", daemon.instance_id, 0)
+    missing = run_cli("health", "--socket", os.path.join(tmpdir_short, "nobody.sock"), "--timeout-s", "2")
+    assert missing.returncode == 1 and missing.stdout.startswith("unhealthy: ")
+    assert len(missing.stdout.splitlines()) == 1 and not missing.stderr
