@@ -88,6 +88,27 @@ def test_a_parked_grant_goes_back_at_close_and_the_arena_is_whole_again(make_dae
     assert (s.granted_nbytes, s.parked_nbytes, s.free_nbytes) == (0, 0, s.arena.nbytes)
 
 
+def test_objects_past_a_full_table_go_through_the_daemon_with_the_same_semantics(make_daemon):
+    """64 slots (the smallest table) and more live objects than that: the rest are loaned through
+    the daemon, and every one of them reads back, hands off and is reclaimed alike."""
+    from shmtransport.client import Consumer
+
+    daemon = make_daemon(arena_nbytes=16 * MiB, object_slots=64)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        handles = [producer.put(np.full(4096, i % 251, np.uint8)) for i in range(100)]
+        in_table = sum(1 for h in handles if h.shm.slot)
+        assert 0 < in_table <= 64 and len(handles) - in_table >= 36
+        leases = consumer.acquire_many(handles)
+        assert all(int(lease.array[0]) == i % 251 for i, lease in enumerate(leases))
+        assert daemon.stat().live_objects == 100 and daemon.stat().allocation_failures == 0
+        consumer.release_many(leases, wait=True)
+        del leases
+        for h in handles:
+            producer.release(h)
+    wait_until(lambda: daemon.stat().live_objects == 0, what="every object freed")
+
+
 # -- the grant word itself ------------------------------------------------------------------------
 def _table(nslots: int = 64) -> tuple[mmap.mmap, ObjectTable]:
     memory = mmap.mmap(-1, objtable.table_nbytes(nslots))

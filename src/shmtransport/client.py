@@ -820,7 +820,12 @@ class Producer(_Client):
             tables = self._table_client()
             if tables is None:
                 return None
-            placed = tables.place([max(nbytes, 1) for _, _, nbytes in typed], self.alloc_wait_s)
+            try:
+                placed = tables.place([max(nbytes, 1) for _, _, nbytes in typed], self.alloc_wait_s)
+            except ResourceExhausted as exc:
+                if exc.reason is not Reason.TABLE_FULL:
+                    raise
+                return None  # no slot left in the tenant's table: these objects are the daemon's to keep
             mapping, hello = self._conn.mapping, self._conn.hello
             loans = []
             for obj, (dt, shape, nbytes) in zip(placed, typed):

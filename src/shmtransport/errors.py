@@ -23,6 +23,7 @@ class Reason(str, enum.Enum):
     DOUBLE_RELEASE = "double_release"
     WRONG_STATE = "wrong_state"  # e.g. acquire of an uncommitted loan, commit twice
     ARENA_FULL = "arena_full"
+    TABLE_FULL = "table_full"  # no free slots in the tenant's object table: loan through the daemon
     QUOTA_EXCEEDED = "quota_exceeded"
     SHM_TOO_SMALL = "shm_too_small"  # /dev/shm cannot back the requested arena
     FD_LIMIT = "fd_limit"  # the process is out of file descriptors
@@ -111,6 +112,7 @@ _TABLE: dict[Reason, tuple[type[ShmTransportError], grpc.StatusCode]] = {
     Reason.DOUBLE_RELEASE: (StateError, grpc.StatusCode.FAILED_PRECONDITION),
     Reason.WRONG_STATE: (StateError, grpc.StatusCode.FAILED_PRECONDITION),
     Reason.ARENA_FULL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    Reason.TABLE_FULL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.QUOTA_EXCEEDED: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.SHM_TOO_SMALL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.FD_LIMIT: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -135,10 +135,10 @@ class TableClient:
             wait_s = max(0.0, min(remaining, GRANT_POLL_S[min(attempt, len(GRANT_POLL_S) - 1)]))
             try:
                 self._new_grant(nbytes, int(wait_s * 1000), retry=remaining - wait_s > 0)
-            except ResourceExhausted:
+            except ResourceExhausted as exc:
                 if self._give_back_empty():
                     continue  # this producer's own idle grants were in the way
-                if time.monotonic() >= deadline:
+                if exc.reason is Reason.TABLE_FULL or time.monotonic() >= deadline:
                     raise
                 continue
             obj = self._try_place(nbytes)

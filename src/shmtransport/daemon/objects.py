@@ -143,7 +143,7 @@ class ObjectBook:
         except ResourceExhausted:
             raise ResourceExhausted(
                 f"object table full: no {nslots} free slots of {self.nslots} (raise --object-slots)",
-                Reason.ARENA_FULL,
+                Reason.TABLE_FULL,
             ) from None
         grant = Grant(self._next_grant_id, session_id, offset, nbytes, first, nslots)
         self._next_grant_id += 1

@@ -229,26 +229,30 @@ class Registry:
             nslots = min(self.objects.nslots, max(64, (nslots + 63) // 64 * 64))
             deadline = time.monotonic() + wait_s
             while True:
+                offset = None
                 try:
                     if self.limits.quota_nbytes is not None:
                         self._check_quota(nbytes)
                     offset = self.allocator.allocate(nbytes)
-                    break
-                except ResourceExhausted:
-                    if self._make_room():
+                    return self.objects.grant(session_id, offset, nbytes, nslots)
+                except ResourceExhausted as exc:
+                    if offset is not None:
+                        self.allocator.free(offset)
+                    if self._make_room():  # orphaned and parked grants hold slots as well as bytes
                         continue
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0 or nbytes > min(self.allocator.nbytes, self.quota_nbytes):
-                        if not retry:
+                    # A full table is not waited for: the producer loans through the daemon instead.
+                    if remaining <= 0 or exc.reason is Reason.TABLE_FULL or \
+                            nbytes > min(self.allocator.nbytes, self.quota_nbytes):
+                        if not retry and exc.reason is not Reason.TABLE_FULL:
                             self.counters["allocation_failures"] += 1
                         raise
                     # Orphans die without telling anyone (their consumers release in shared memory).
                     self._freed.wait(min(remaining, 0.005))
-            try:
-                return self.objects.grant(session_id, offset, nbytes, nslots)
-            except BaseException:
-                self.allocator.free(offset)
-                raise
+                except BaseException:
+                    if offset is not None:
+                        self.allocator.free(offset)
+                    raise
 
     def _make_room(self) -> bool:
         """Free what the table lets go of without waiting (lock held): orphaned grants whose
