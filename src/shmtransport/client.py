@@ -287,7 +287,12 @@ class _Connection:
             return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             exc = self.typed(err)
-        raise exc
+        try:
+            raise exc
+        finally:
+            # The traceback holds this frame and its callers': a local naming the exception would
+            # make a cycle that keeps their locals (arena views among them) alive until a GC.
+            del exc
 
     def call_future(self, method: str, request) -> grpc.Future:
         """Send an RPC without waiting for its reply; ``typed`` turns its failure into our error."""
@@ -924,7 +929,10 @@ class Producer(_Client):
                 except grpc.RpcError as err:
                     failure = failure or self._conn.typed(err)
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:
+                del failure  # no cycle through this frame (see _Connection.call)
 
     def close(self) -> None:
         if not self._closed:

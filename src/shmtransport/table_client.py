@@ -38,7 +38,12 @@ def _step(name: str) -> None:
         fault_point(name)
 
 
-SLOT_PER_NBYTES = 4096  # a standard grant carries one slot per this many bytes
+SLOT_PER_NBYTES = 4096  # a standard grant first carries one slot per this many bytes
+# A producer whose grants run out of slots before bytes (many small objects) asks for 4x denser
+# grants next, down to one slot per this many bytes; a table with no room for that many slots
+# then still grants the minimum of 64.
+MIN_SLOT_PER_NBYTES = 256
+MIN_GRANT_SLOTS = 64
 MIN_GRANT_NBYTES = 64 * 1024
 MAX_GRANT_NBYTES = 16 << 20
 GRANT_ARENA_FRACTION = 64  # a standard grant is this fraction of the arena (within the bounds above)
@@ -106,6 +111,7 @@ class TableClient:
         self._leases: dict[tuple[int, int], int] = {}  # (slot, generation) -> leases in this client
         self.give_back: list[int] = []  # grant ids to return with the next Grant call
         self._placed_at = 0.0  # monotonic time of the last placement
+        self._slot_per_nbytes = SLOT_PER_NBYTES  # the density of this producer's next standard grant
 
     # -- producer --------------------------------------------------------------------------------
     def place(self, sizes: list[int], wait_s: float = 0.0) -> list[Placed]:
@@ -183,7 +189,10 @@ class TableClient:
     def _new_grant(self, nbytes: int, wait_ms: int, retry: bool) -> None:
         oversized = nbytes > self.standard_grant_nbytes
         size = -(-nbytes // PAGE) * PAGE if oversized else self.standard_grant_nbytes
-        nslots = 64 if oversized else max(64, size // SLOT_PER_NBYTES)
+        if not oversized and any(not g.large and not g.free_slots and g.allocator.largest_free_nbytes >= nbytes
+                                 for g in self._grants):
+            self._slot_per_nbytes = max(MIN_SLOT_PER_NBYTES, self._slot_per_nbytes // 4)  # slots ran out first
+        nslots = MIN_GRANT_SLOTS if oversized else max(MIN_GRANT_SLOTS, size // self._slot_per_nbytes)
         # Given back once sent, whatever the reply: the daemon applies returns before it allocates
         # (and orphans every grant of a session that ends anyway).
         if oversized:
@@ -192,7 +201,15 @@ class TableClient:
                 self._grants.remove(grant)
                 self.give_back.append(grant.grant_id)
         give_back, self.give_back = self.give_back, []
-        response = self._grant_rpc(size, nslots, give_back, wait_ms, retry)
+        try:
+            response = self._grant_rpc(size, nslots, give_back, wait_ms, retry)
+        except ResourceExhausted as exc:
+            if exc.reason is not Reason.TABLE_FULL or nslots == MIN_GRANT_SLOTS:
+                raise
+            # Fewer slots may still fit; with bytes for them at this density, not a whole grant's.
+            small = max(MIN_GRANT_NBYTES, MIN_GRANT_SLOTS * self._slot_per_nbytes, -(-nbytes // PAGE) * PAGE)
+            size = min(size, -(-small // PAGE) * PAGE)
+            response = self._grant_rpc(size, MIN_GRANT_SLOTS, [], wait_ms, retry)
         _step("t_after_grant")
         slots = collections.deque(range(response.first_slot, response.first_slot + response.nslots))
         self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes,
