@@ -1,6 +1,6 @@
 """The daemon + client lifecycle with a real in-process daemon and real (spawned) client processes.
 
-Covers DESIGN §3: bytes live exactly as long as a producer reference, a lease or a hold; dead
+Covers the lifetime rules of ``docs/design.md``: bytes live exactly as long as a producer reference, a lease or a hold; dead
 clients lose everything they held; TTLs reclaim; quotas and a full arena are typed errors that
 recover; views never outlive their lease silently.
 """

@@ -124,7 +124,9 @@ def test_forged_requests_get_a_typed_error_or_exactly_the_frontends_bytes_and_le
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
             Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
         originals = items()
-        built = frontend.build_request(producer, originals)
+        # Every tensor in shared memory: the handle mutations must reach the worker's checks (with
+        # the default policy these small tensors would all ride inline).
+        built = frontend.build_request(producer, originals, inline=frontend.NO_INLINE)
         base = built.request
         with worker.open_request(consumer, base):  # the genuine request works (and commits the loans)
             pass

@@ -1,5 +1,5 @@
 """Content identity: golden vectors for every scheme, reproduced by both kernel backends, plus the
-properties of DESIGN.md section 4 (domain separation: key/dtype/shape always count).
+properties of ``docs/design.md``, Identity (domain separation: key/dtype/shape always count).
 
 Regenerate the golden file (only when the identity definition changes on purpose, which also
 changes its version string): ``python tests/test_identity.py --regen``. Its ``grpc_mm`` vectors are

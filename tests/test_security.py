@@ -1,4 +1,4 @@
-"""Security (DESIGN §3 rule 8): another uid cannot reach the daemon or its bytes, segment files
+"""Security (``docs/design.md``, lifetime rule 9): another uid cannot reach the daemon or its bytes, segment files
 and sockets are 0600, forged handles name nothing, and src/ holds no pickle/eval/exec/marshal/
 shell=True.
 

@@ -1,6 +1,6 @@
 """Mapping a daemon-owned segment into this process, once, and cutting views out of it.
 
-Clients map, read, write and close — never unlink (DESIGN §3 rule 1). A process maps each segment
+Clients map, read, write and close — never unlink (``docs/design.md``, lifetime rule 1). A process maps each segment
 at most once per access mode and shares the mapping between its clients (reference counted), so a
 handle turns into a view with offset arithmetic alone. Mappings are pre-faulted (MAP_POPULATE) so
 the first copy into shared memory does not pay a page fault per 4 KiB.

@@ -1,6 +1,6 @@
 """One tenant's book of who holds which bytes: allocations, leases, sessions, TTLs and quotas.
 
-Lifetime (DESIGN §3): a producer ``loan``s (the allocation is owned by its session, writable, not
+Lifetime (``docs/design.md``, lifetime rules): a producer ``loan``s (the allocation is owned by its session, writable, not
 visible), ``commit``s (sealed; consumers may ``acquire`` leases), and ``release``s its reference.
 Bytes go back to the allocator when no producer reference, no lease and no hold remain. A session
 that dies loses every reference and lease it held. Holds expire by TTL. A lease that outlives its

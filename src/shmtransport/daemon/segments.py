@@ -1,6 +1,6 @@
 """Creating, reserving, sweeping and unlinking the daemon's shared-memory segments.
 
-Only the daemon creates and unlinks (DESIGN §3 rule 1). Segment names are
+Only the daemon creates and unlinks (``docs/design.md``, lifetime rule 1). Segment names are
 ``{prefix}-{instance_id}-{kind}``. The daemon holds an exclusive ``flock`` on each of its segment
 files for its whole life, so a later daemon can tell a dead instance's leftovers (lock free) from a
 live one's (lock held) without guessing from ages or PIDs.
