@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import sys
 
 import numpy as np
 import pytest
@@ -399,3 +400,22 @@ def test_a_loan_warns_when_dropped_uncommitted_not_after_its_handle_took_over(ma
         with pytest.warns(ResourceWarning, match="never released"):
             del leaked
             gc.collect()
+
+
+def test_tensor_without_torch_says_what_to_install_and_acquire_of_a_non_handle_is_refused(daemon, monkeypatch):
+    from shmtransport.errors import MissingDependency
+
+    with Producer(daemon.socket_path, timeout_s=30) as producer, Consumer(daemon.socket_path, timeout_s=30) as consumer:
+        handle = producer.put(np.arange(16, dtype=np.float32))
+        for wrong in ("not a handle", handle.to_bytes(), None):
+            with pytest.raises(InvalidArgument, match="Handle objects"):
+                consumer.acquire(wrong)
+        lease = consumer.acquire(handle)
+        monkeypatch.setitem(sys.modules, "torch", None)  # what `import torch` meets without torch installed
+        with pytest.raises(MissingDependency, match=r"pip install 'shmtransport\[torch\]'") as info:
+            lease.tensor()
+        assert isinstance(info.value, ImportError) and info.value.reason is Reason.MISSING_DEPENDENCY
+        assert lease.array.tolist() == list(range(16))  # numpy views still work
+        lease.release()
+        producer.release(handle)
+        del lease, info

@@ -1027,6 +1027,10 @@ class Consumer(_Client):
         handles = list(handles)
         if not handles:
             raise InvalidArgument("handles must not be empty")
+        for h in handles:
+            if not isinstance(h, Handle):
+                raise InvalidArgument(f"acquire takes Handle objects (Handle.from_bytes turns the wire form into "
+                                      f"one), got {type(h).__name__}")
         self._conn.ensure_recent()  # a daemon restart is noticed before handles are compared with it
         for h in handles:
             if h.shm.instance_id != self.instance_id:

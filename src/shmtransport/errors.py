@@ -34,6 +34,7 @@ class Reason(str, enum.Enum):
     VIEW_RELEASED = "view_released"
     CLOSED = "closed"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    MISSING_DEPENDENCY = "missing_dependency"  # an optional package this call needs is not installed
     INTERNAL = "internal"
 
 
@@ -98,6 +99,12 @@ class DeadlineExceeded(ShmTransportError, TimeoutError):
     default_reason = Reason.DEADLINE_EXCEEDED
 
 
+class MissingDependency(ShmTransportError, ImportError):
+    """An optional package the call needs is not installed; the message says what to install."""
+
+    default_reason = Reason.MISSING_DEPENDENCY
+
+
 class InternalError(ShmTransportError):
     default_reason = Reason.INTERNAL
 
@@ -123,6 +130,7 @@ _TABLE: dict[Reason, tuple[type[ShmTransportError], grpc.StatusCode]] = {
     Reason.VIEW_RELEASED: (ClosedError, grpc.StatusCode.FAILED_PRECONDITION),
     Reason.CLOSED: (ClosedError, grpc.StatusCode.FAILED_PRECONDITION),
     Reason.DEADLINE_EXCEEDED: (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    Reason.MISSING_DEPENDENCY: (MissingDependency, grpc.StatusCode.FAILED_PRECONDITION),
     Reason.INTERNAL: (InternalError, grpc.StatusCode.INTERNAL),
 }
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, MissingDependency
 
 # vLLM's 13 accepted tensor dtypes -> numpy storage dtype.
 DTYPES: dict[str, np.dtype] = {
@@ -112,8 +112,11 @@ def to_torch(array: np.ndarray, name: str):
     lease's tensors come from ``Lease.tensor`` (private copy-on-write pages), not from here."""
     import warnings
 
-    import torch
-
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingDependency("torch tensors need torch: pip install 'shmtransport[torch]' "
+                                "(numpy views need nothing more: use .array)") from exc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only arrays: the caller owns writability
         tensor = torch.from_numpy(array)
