@@ -154,15 +154,18 @@ class TableClient:
 
     def _give_back_empty(self) -> bool:
         """Queue every empty grant for return (with the next Grant call); whether there was one."""
-        empty = [grant for grant in self._grants if grant.empty]
-        for grant in empty:
+        return self._give_back([grant for grant in self._grants if grant.empty])
+
+    def _give_back(self, grants: list[_Grant]) -> bool:
+        """Queue these grants for return with the next Grant call; whether there was one."""
+        for grant in grants:
             self._grants.remove(grant)
             self.give_back.append(grant.grant_id)
-        return bool(empty)
+        return bool(grants)
 
     def _try_place(self, nbytes: int) -> Placed | None:
         oversized = nbytes > self.standard_grant_nbytes
-        for grant in reversed(self._grants):
+        for grant in reversed(self._grants[:]):  # a copy: a grant the daemon took is dropped on the way
             if grant.large != oversized or not grant.free_slots or grant.allocator.largest_free_nbytes < nbytes:
                 continue
             if grant.large and (not grant.empty or 2 * nbytes <= grant.nbytes):
@@ -195,11 +198,8 @@ class TableClient:
         nslots = MIN_GRANT_SLOTS if oversized else max(MIN_GRANT_SLOTS, size // self._slot_per_nbytes)
         # Given back once sent, whatever the reply: the daemon applies returns before it allocates
         # (and orphans every grant of a session that ends anyway).
-        if oversized:
-            # Spare large grants that did not fit go back first, so the daemon has their space.
-            for grant in [g for g in self._grants if g.large and g.empty]:
-                self._grants.remove(grant)
-                self.give_back.append(grant.grant_id)
+        if oversized:  # spare large grants that did not fit go back first, so the daemon has their space
+            self._give_back([g for g in self._grants if g.large and g.empty])
         give_back, self.give_back = self.give_back, []
         try:
             response = self._grant_rpc(size, nslots, give_back, wait_ms, retry)
@@ -294,9 +294,7 @@ class TableClient:
             # One spare large grant saves the next large object a round trip; more would only
             # keep arena space from other producers.
             spares = [g for g in self._grants if g.large and g.empty]
-            for grant in sorted(spares, key=lambda g: g.nbytes)[:-1]:
-                self._grants.remove(grant)
-                self.give_back.append(grant.grant_id)
+            self._give_back(sorted(spares, key=lambda g: g.nbytes)[:-1])
 
     # -- consumer --------------------------------------------------------------------------------
     def acquire(self, slot: int, generation: int, offset: int, nbytes: int) -> None:

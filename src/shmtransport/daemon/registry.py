@@ -235,9 +235,11 @@ class Registry:
                         self._check_quota(nbytes)
                     offset = self.allocator.allocate(nbytes)
                     return self.objects.grant(session_id, offset, nbytes, nslots)
-                except ResourceExhausted as exc:
+                except BaseException as exc:
                     if offset is not None:
                         self.allocator.free(offset)
+                    if not isinstance(exc, ResourceExhausted):
+                        raise
                     if self._make_room():  # orphaned and parked grants hold slots as well as bytes
                         continue
                     remaining = deadline - time.monotonic()
@@ -249,10 +251,6 @@ class Registry:
                         raise
                     # Orphans die without telling anyone (their consumers release in shared memory).
                     self._freed.wait(min(remaining, 0.005))
-                except BaseException:
-                    if offset is not None:
-                        self.allocator.free(offset)
-                    raise
 
     def _make_room(self) -> bool:
         """Free what the table lets go of without waiting (lock held): orphaned grants whose
@@ -650,7 +648,7 @@ class Registry:
                     offset=0 if obj.segment is not None else obj.offset, nbytes=obj.nbytes,
                     generation=obj.generation,
                     state="held" if obj.hold_until and not obj.handoff else obj.state.value, handoff=obj.handoff,
-                    owner_session=obj.owner if obj.owner in pid_of else "",
+                    owner_session=obj.owner,
                     holder_sessions=[self._leases[i].session_id for i in sorted(obj.leases) if i in self._leases],
                     age_s=now - obj.created_at, segment_name=obj.segment.name if obj.segment is not None else ""))
             if self.objects is not None:
