@@ -36,11 +36,11 @@ def assert_still_serves(daemon) -> None:
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
-        handle = producer.put(ARRAY, hash=True)
+        handle = producer.put(ARRAY, digest=True)
         lease = consumer.acquire(handle)
         lease.verify()
         assert np.array_equal(lease.array, ARRAY)
-        consumer.release_many([lease], wait=True)
+        consumer.release([lease], wait=True)
         producer.release(handle, wait=True)
         del lease
 
@@ -143,7 +143,7 @@ def test_old_handle_to_reallocated_bytes_is_refused_as_stale_never_aliased(produ
     raise_reason(info, HandleError, Reason.STALE_HANDLE)
     lease = consumer.acquire(new)
     assert float(lease.array[0]) == 2.0
-    consumer.release_many([lease], wait=True)
+    consumer.release([lease], wait=True)
     producer.release(new, wait=True)
     del lease
 
@@ -248,7 +248,7 @@ def test_double_release_of_a_lease_is_refused(producer, consumer):
     handle = producer.put(ARRAY)
     lease = consumer.acquire(handle)
     lease_id = lease.lease_id
-    consumer.release_many([lease], wait=True)
+    consumer.release([lease], wait=True)
     lease.release()  # the client-side object is idempotent ...
     with pytest.raises(StateError) as info:  # ... the daemon refuses a second release
         consumer._call("Release", pb.ReleaseRequest(lease_ids=[lease_id]))
@@ -296,7 +296,7 @@ def test_a_refused_release_leaves_the_lease_usable_by_its_owner(served, producer
     lease = consumer.acquire(handle)
     with Consumer(served.socket_path, timeout_s=TIMEOUT_S) as thief:
         with pytest.raises(OwnershipError):
-            thief.release_many([lease], wait=True)
+            thief.release([lease], wait=True)
     usable = not lease.closed
     lease.release()
     consumer.flush()  # the owner's own release is accepted

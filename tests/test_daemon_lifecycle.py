@@ -61,7 +61,7 @@ def child_read_all(socket_path: str, blobs: list[bytes], verify: bool = False) -
             if verify:
                 lease.verify()
             out.append((lease.handle.dtype, lease.array.shape, lease.array.tobytes()))
-        consumer.release_many(leases)
+        consumer.release(leases)
         del leases
     return out
 
@@ -80,7 +80,7 @@ def child_loan_and_block(conn, socket_path: str, nbytes: int) -> None:
 def child_put_and_block(conn, socket_path: str, array: np.ndarray) -> None:
     """Put (commit), report the handle, then block holding the producer reference."""
     with Producer(socket_path, timeout_s=TIMEOUT_S) as producer:
-        handle = producer.put(array, hash=True)
+        handle = producer.put(array, digest=True)
         conn.send(handle.to_bytes())
         conn.recv()
         producer.release(handle)
@@ -92,7 +92,7 @@ def child_acquire_and_block(conn, socket_path: str, blobs: list[bytes]) -> None:
         leases = consumer.acquire_many([Handle.from_bytes(b) for b in blobs])
         conn.send([lease.lease_id for lease in leases])
         conn.recv()
-        consumer.release_many(leases)
+        consumer.release(leases)
         del leases
 
 
@@ -113,15 +113,15 @@ def child_mixed_workload(socket_path: str, seed: int, shared: list[tuple[bytes, 
             op = int(rng.integers(0, 4))
             if op == 0:
                 arr = make()
-                outstanding.append((producer.put(arr, hash=True), arr))
+                outstanding.append((producer.put(arr, digest=True), arr))
             elif op == 1:
                 arrs = [make() for _ in range(3)]
-                outstanding.extend(zip(producer.put_many(arrs, hash=True), arrs))
+                outstanding.extend(zip(producer.put_many(arrs, digest=True), arrs))
             elif op == 2:
                 arr = make()
                 loan = producer.loan(shape=arr.shape, dtype=arr.dtype)
                 loan.array[...] = arr
-                outstanding.append((loan.commit(hash=True), arr))
+                outstanding.append((loan.commit(digest=True), arr))
                 del loan
             if outstanding and (op == 3 or len(outstanding) > 4):
                 picks = [outstanding.pop(int(rng.integers(0, len(outstanding))))]
@@ -132,7 +132,7 @@ def child_mixed_workload(socket_path: str, seed: int, shared: list[tuple[bytes, 
                     if not np.array_equal(lease.array, expected):
                         raise AssertionError(f"bytes differ for {lease.handle!r} (seed {seed})")
                     checked += 1
-                consumer.release_many(leases)
+                consumer.release(leases)
                 del leases
                 producer.release(picks[0][0])
         if outstanding:
@@ -170,7 +170,7 @@ def test_blocking_child_reports_then_finishes_or_dies_by_sigkill():
 def test_put_then_acquire_in_another_process_returns_identical_bytes_dtype_and_shape(daemon):
     arrays = sample_arrays()
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
-        handles = [producer.put(a, hash=True) for a in arrays]
+        handles = [producer.put(a, digest=True) for a in arrays]
         got = run_in_child(child_read_all, daemon.socket_path, [h.to_bytes() for h in handles], True, timeout_s=60)
         producer.release(handles)
     for arr, (dtype, shape, data) in zip(arrays, got):
@@ -203,7 +203,7 @@ def test_torch_tensor_has_the_leased_bytes_and_stays_the_same_view(daemon):
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
-        handle = producer.put(src, hash=True)
+        handle = producer.put(src, digest=True)
         assert handle.dtype == "float32" and handle.shape == (3, 97)
         with consumer.acquire(handle) as lease:
             tensor = lease.tensor()
@@ -236,7 +236,7 @@ def test_bfloat16_written_through_a_loan_round_trips_bit_exactly(daemon):
         loan = producer.loan(shape=(1, 97), dtype=torch.bfloat16)
         assert loan.handle.dtype == "bfloat16" and loan.handle.nbytes == 97 * 2
         loan.tensor().copy_(src)
-        handle = loan.commit(hash=True)
+        handle = loan.commit(digest=True)
         with consumer.acquire(handle) as lease:
             tensor = lease.tensor()
             assert tensor.dtype == torch.bfloat16
@@ -254,7 +254,7 @@ def test_put_of_a_bfloat16_torch_tensor_round_trips_bit_exactly(daemon):
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
-        handle = producer.put(src, hash=True)
+        handle = producer.put(src, digest=True)
         try:
             assert handle.dtype == "bfloat16" and handle.shape == (1, 97)
             lease = consumer.acquire(handle)
@@ -271,7 +271,7 @@ def test_loan_then_commit_publishes_bytes_written_in_place(daemon):
         loan = producer.loan(shape=(64, 3), dtype=np.int16)
         assert loan.array.flags.writeable
         loan.array[...] = np.arange(192, dtype=np.int16).reshape(64, 3)
-        handle = loan.commit(hash=True)
+        handle = loan.commit(digest=True)
         assert handle.digest
         [(dtype, shape, data)] = run_in_child(child_read_all, daemon.socket_path, [handle.to_bytes()], True)
         assert (dtype, shape) == ("int16", (64, 3))
@@ -288,19 +288,19 @@ def test_batch_forms_round_trip_in_one_call_each(daemon):
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
         before = daemon.stat().allocations_total
-        handles = producer.put_many(arrays, hash=True)
+        handles = producer.put_many(arrays, digest=True)
         assert daemon.stat().allocations_total == before + len(arrays)
         loans = producer.loan_many([(None, a.shape, a.dtype) for a in arrays])
         for loan, a in zip(loans, arrays):
             loan.array[...] = a
-        handles2 = producer.commit_many(loans, hash=True)
+        handles2 = producer.commit_many(loans, digest=True)
         assert [h.digest for h in handles2] == [h.digest for h in handles]  # same content, same digest
         leases = consumer.acquire_many(handles + handles2)
         assert daemon.stat().live_leases == 2 * len(arrays)
         for lease, a in zip(leases, arrays + arrays):
             lease.verify()
             assert lease.array.dtype == a.dtype and np.array_equal(lease.array, a)
-        consumer.release_many(leases, wait=True)
+        consumer.release(leases, wait=True)
         assert daemon.stat().live_leases == 0
         producer.release(handles)
         for loan in loans:
@@ -316,7 +316,7 @@ def test_zero_size_tensor_round_trips_as_an_empty_array(daemon):
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
-        handle = producer.put(empty, hash=True)
+        handle = producer.put(empty, digest=True)
         assert handle.shape == (0, 4)
         lease = consumer.acquire(handle)
         problem = None
@@ -361,17 +361,17 @@ def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(make_da
         assert used >= arr.nbytes
         producer.release(handle, wait=True)
         assert daemon.stat().used_nbytes == used and daemon.stat().live_objects == 1
-        c1.release_many([l1], wait=True)
+        c1.release([l1], wait=True)
         assert daemon.stat().used_nbytes == used
         assert np.array_equal(l2.array, arr)  # still valid: one lease remains
-        c2.release_many([l2], wait=True)
+        c2.release([l2], wait=True)
         s = daemon.stat()
         assert s.used_nbytes == 0 and s.live_objects == 0 and s.live_leases == 0
 
         # leases first, the producer last
         handle = producer.put(arr)
         l1 = c1.acquire(handle)
-        c1.release_many([l1], wait=True)
+        c1.release([l1], wait=True)
         assert daemon.stat().live_objects == 1
         producer.release(handle, wait=True)
         assert daemon.stat().used_nbytes == 0
@@ -403,7 +403,7 @@ def test_an_expired_lease_of_a_live_client_is_quarantined_never_reused_until_rel
         for loan in loans:
             loan.release()
         del view
-        consumer.release_many([lease], wait=True)  # a quarantined lease releases like any other
+        consumer.release([lease], wait=True)  # a quarantined lease releases like any other
         s = wait_stat(daemon, lambda s: s.live_leases == 0 and s.used_nbytes == 0, timeout_s=3, what="released")
         assert s.quarantined_leases == 0
 
@@ -501,7 +501,7 @@ def test_producer_death_does_not_pull_bytes_from_under_a_live_lease(make_daemon,
         assert s.live_objects == 1 and s.live_leases == 1
         assert np.array_equal(lease.array, arr)
         lease.verify()
-        consumer.release_many([lease], wait=True)
+        consumer.release([lease], wait=True)
         assert daemon.stat().used_nbytes == 0
         del lease
 
@@ -538,7 +538,7 @@ def test_eight_concurrent_client_processes_read_back_exactly_what_was_written(da
     rng = np.random.default_rng(42)
     shared_arrays = [rng.standard_normal(5000 + 1000 * i).astype(np.float32) for i in range(4)]
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
-        shared_handles = producer.put_many(shared_arrays, hash=True)
+        shared_handles = producer.put_many(shared_arrays, digest=True)
         shared = [(h.to_bytes(), a) for h, a in zip(shared_handles, shared_arrays)]
         checked = start_children(
             child_mixed_workload, [(daemon.socket_path, seed, shared, 30) for seed in range(8)], timeout_s=90
@@ -614,14 +614,14 @@ def test_a_producer_waiting_on_a_full_arena_gets_the_space_its_own_consumer_rele
         leases = consumer.acquire_many(handles)
         producer.release(handles, wait=True)  # only the consumer holds the bytes now
         assert daemon.stat().free_nbytes == 0
-        timer = threading.Timer(0.2, consumer.release_many, (leases[:1],), {"wait": True})
+        timer = threading.Timer(0.2, consumer.release, (leases[:1],), {"wait": True})
         timer.start()
         try:
             handle = producer.put(np.ones(size, dtype=np.uint8))  # back-pressure, then success
         finally:
             timer.join(TIMEOUT_S)
         assert handle.shm.offset == handles[0].shm.offset  # the bytes the consumer released
-        consumer.release_many(leases[1:], wait=True)
+        consumer.release(leases[1:], wait=True)
         producer.release(handle, wait=True)
         del leases
     assert daemon.stat().used_nbytes == 0
@@ -668,10 +668,10 @@ def test_the_lease_quota_belongs_to_the_tenant_and_recovers(make_daemon):
             assert info.value.reason is Reason.QUOTA_EXCEEDED
         with pytest.raises(ResourceExhausted):
             consumer.acquire_many([handle] * 3)
-        consumer.release_many(leases[:1], wait=True)
+        consumer.release(leases[:1], wait=True)
         leases[1:1] = [other.acquire(handle)]
-        consumer.release_many(leases[2:])
-        other.release_many(leases[1:2])
+        consumer.release(leases[2:])
+        other.release(leases[1:2])
         producer.release(handle)
         del leases, info
 
@@ -703,7 +703,7 @@ def test_release_with_a_live_view_is_deferred_until_the_view_is_dropped(daemon):
         lease = consumer.acquire(handle)
         producer.release(handle, wait=True)
         view = lease.array
-        consumer.release_many([lease], wait=True)
+        consumer.release([lease], wait=True)
         with pytest.raises(ClosedError):
             lease.array
         consumer.stat()
@@ -724,7 +724,7 @@ def test_release_with_a_live_derived_view_is_deferred_until_the_view_is_dropped(
         lease = consumer.acquire(handle)
         producer.release(handle)
         view = lease.array[10:20]
-        consumer.release_many([lease], wait=True)
+        consumer.release([lease], wait=True)
         consumer.stat()
         s = daemon.stat()
         # What goes wrong otherwise: the same bytes are handed out again and change under `view`.
@@ -743,7 +743,7 @@ def test_lease_verify_passes_on_intact_bytes_and_raises_identity_mismatch_on_a_f
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
-        handle = producer.put(arr, hash=True)
+        handle = producer.put(arr, digest=True)
         with consumer.acquire(handle) as lease:
             lease.verify()
             # Corrupt one byte behind everyone's back, straight through the segment file.

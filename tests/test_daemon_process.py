@@ -217,7 +217,7 @@ def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(s
     with Producer(first.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         first.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
-        handle = producer.put(np.arange(1000), hash=True)
+        handle = producer.put(np.arange(1000), digest=True)
         assert bool(handle.shm.slot) == has_table(object_slots)
         old_instance = consumer.instance_id
         first.kill()
@@ -229,7 +229,7 @@ def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(s
         assert info.value.reason is Reason.INSTANCE_MISMATCH
         # The reconnected clients work against the new daemon; the new object may sit in the very
         # slot, generation and offset the old handle names.
-        fresh = call_until_connected(lambda: producer.put(np.arange(1000), hash=True))
+        fresh = call_until_connected(lambda: producer.put(np.arange(1000), digest=True))
         assert fresh.shm.instance_id == consumer.instance_id
         # Refused on both paths, and never taken for the new daemon's object in the same slot.
         with pytest.raises(Unavailable) as info:
@@ -237,7 +237,7 @@ def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(s
         assert info.value.reason is Reason.INSTANCE_MISMATCH
         lease = consumer.acquire(fresh)
         lease.verify()
-        consumer.release_many([lease], wait=True)
+        consumer.release([lease], wait=True)
         producer.release(fresh, wait=True)
         assert consumer.stat().live_objects == 0
         del lease

@@ -39,7 +39,7 @@ def settle(daemon, timeout_s=3.0):
 def test_handle_names_its_own_segment_and_reader_may_unlink(daemon):
     arr = np.arange(1000, dtype=np.float32)
     with Producer(daemon.socket_path, timeout_s=10) as producer:
-        h = producer.put(arr, hash=True, dedicated=True)
+        h = producer.put(arr, digest=True, dedicated=True)
         prefix = daemon.segment_names[0].rsplit("-", 1)[0]
         assert re.fullmatch(re.escape(prefix) + r"-obj\d+-[0-9a-f]{8}", h.shm.name)
         assert h.shm.offset == 0 and h.shm.nbytes == arr.nbytes
@@ -57,13 +57,13 @@ def test_handle_names_its_own_segment_and_reader_may_unlink(daemon):
 def test_our_consumer_reads_dedicated_handles(daemon):
     arrs = [np.arange(10, dtype=np.int64), np.ones((3, 4), np.float16)]
     with Producer(daemon.socket_path, timeout_s=10) as producer, Consumer(daemon.socket_path, timeout_s=10) as consumer:
-        hs = producer.put_many(arrs, hash=True, dedicated=True)
+        hs = producer.put_many(arrs, digest=True, dedicated=True)
         assert len({h.shm.name for h in hs}) == 2
         leases = consumer.acquire_many(hs)
         for lease, a in zip(leases, arrs):
             lease.verify()
             assert np.array_equal(lease.array, a)
-        consumer.release_many(leases, wait=True)
+        consumer.release(leases, wait=True)
         producer.release(hs, wait=True)
     assert settle(daemon).live_objects == 0
     assert not any(os.path.exists(os.path.join(SHM, h.shm.name)) for h in hs)

@@ -83,9 +83,9 @@ free = os.statvfs('/dev/shm').f_bavail
 # the arena's pages were reserved: writing all of it cannot SIGBUS
 with Producer(d.socket_path, timeout_s=10) as p, Consumer(d.socket_path, timeout_s=10) as c:
     data = np.random.default_rng(1).integers(0, 256, (4 << 20) - 4096, dtype=np.uint8)
-    h = p.put(data, hash=True)
+    h = p.put(data, digest=True)
     lease = c.acquire(h); lease.verify(); assert np.array_equal(lease.array, data)
-    c.release_many([lease], wait=True); del lease
+    c.release([lease], wait=True); del lease
     p.release(h, wait=True)
 # a second daemon cannot reserve its arena in the full /dev/shm: typed, at start
 try:
@@ -125,7 +125,7 @@ def _hammer(socket_path: str, seed: int) -> dict:
         for _ in range(30):
             data = rng.integers(0, 256, 512 << 10, dtype=np.uint8)
             try:
-                h = p.put(data, hash=True)
+                h = p.put(data, digest=True)
             except ResourceExhausted as exc:
                 # the arena is full, or this client holds its quota (by default: the whole arena)
                 out["arena_full"] += exc.reason is Reason.ARENA_FULL
@@ -144,7 +144,7 @@ def _hammer(socket_path: str, seed: int) -> dict:
             lease.verify()
             if not np.array_equal(lease.array, data):
                 out["other"].append("foreign bytes")
-            c.release_many([lease], wait=True)
+            c.release([lease], wait=True)
             del lease
             held.append((h, data))
         if held:
@@ -240,10 +240,10 @@ def _client_with_few_fds(socket_path: str, spare: int) -> str:
     fillers = fillers[spare:]
     try:
         with Producer(socket_path, timeout_s=5) as p, Consumer(socket_path, timeout_s=5) as c:
-            h = p.put(np.arange(100, dtype=np.int32), hash=True)
+            h = p.put(np.arange(100, dtype=np.int32), digest=True)
             lease = c.acquire(h)
             lease.verify()
-            c.release_many([lease], wait=True)
+            c.release([lease], wait=True)
             del lease
             p.release(h, wait=True)
         outcome = "ok"
@@ -314,10 +314,10 @@ def test_a_daemon_out_of_fds_refuses_clients_with_typed_errors_and_recovers_when
         def works():
             try:
                 with Producer(d.socket_path, timeout_s=1) as p, Consumer(d.socket_path, timeout_s=1) as c:
-                    h = p.put(np.arange(64, dtype=np.uint8), hash=True)
+                    h = p.put(np.arange(64, dtype=np.uint8), digest=True)
                     lease = c.acquire(h)
                     lease.verify()
-                    c.release_many([lease], wait=True)
+                    c.release([lease], wait=True)
                     p.release(h, wait=True)
                     return c.stat().live_objects == 0
             except ShmTransportError:
@@ -341,7 +341,7 @@ def test_100k_live_leases_in_batches_stay_bounded_in_daemon_rss_and_all_release(
         d.wait_ready()
         with Producer(d.socket_path, timeout_s=30) as p, Consumer(d.socket_path, timeout_s=30) as c:
             h = p.put(np.arange(16, dtype=np.uint8))
-            c.release_many([c.acquire(h)], wait=True)
+            c.release([c.acquire(h)], wait=True)
             rss0 = d.rss_kib()
             leases = []
             for _ in range(25):
@@ -354,7 +354,7 @@ def test_100k_live_leases_in_batches_stay_bounded_in_daemon_rss_and_all_release(
                 c.acquire(h)
             assert info.value.reason is Reason.QUOTA_EXCEEDED
             for i in range(0, len(leases), 4000):
-                c.release_many(leases[i:i + 4000], wait=True)
+                c.release(leases[i:i + 4000], wait=True)
             del leases
             s = c.stat()
             assert s.live_leases == 0
@@ -366,14 +366,14 @@ def test_100k_live_leases_in_batches_stay_bounded_in_daemon_rss_and_all_release(
     assert not shm_segments(prefix)
 
 
-def test_release_many_of_more_leases_than_one_batch_releases_them_all(make_daemon):
+def test_release_of_more_leases_than_one_batch_releases_them_all(make_daemon):
     daemon = make_daemon(arena_nbytes=MiB, object_slots=0)  # batches of Release RPCs (no object table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, \
             Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         h = p.put(np.arange(16, dtype=np.uint8))
         leases = c.acquire_many([h] * 4000) + c.acquire_many([h] * 1000)
         try:
-            c.release_many(leases, wait=True)
+            c.release(leases, wait=True)
             assert daemon.stat().live_leases == 0
         finally:
             del leases

@@ -153,10 +153,10 @@ def fuzz_daemon(make_daemon):
     yield daemon
     # still serving: a good round trip on fresh clients, bytes verified
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
-        h = p.put(np.arange(1000, dtype=np.float32), hash=True)
+        h = p.put(np.arange(1000, dtype=np.float32), digest=True)
         lease = c.acquire(h)
         lease.verify()
-        c.release_many([lease], wait=True)
+        c.release([lease], wait=True)
         p.release(h, wait=True)
         del lease
 
@@ -340,7 +340,7 @@ def test_forged_handles_through_the_client_give_typed_errors_or_exactly_the_name
     with Producer(fuzz_daemon.socket_path, timeout_s=TIMEOUT_S) as p, \
             Consumer(fuzz_daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         arrays = [np.full(n, i + 1, np.uint8) for i, n in enumerate((1, 100, 4096, 70000))]
-        real = p.put_many(arrays, hash=True)
+        real = p.put_many(arrays, digest=True)
         content = {(h.shm.slot, h.shm.offset, h.shm.generation): a for h, a in zip(real, arrays)}
 
         def acquire_through_the_daemon(shm: pb.Handle) -> np.ndarray:
@@ -381,7 +381,7 @@ def test_forged_handles_through_the_client_give_typed_errors_or_exactly_the_name
             finally:
                 if lease is not None:
                     del got
-                    c.release_many([lease], wait=True)
+                    c.release([lease], wait=True)
 
         run()
         p.release(real, wait=True)

@@ -114,7 +114,7 @@ def _past_a_full_table(daemon, Consumer) -> None:
         leases = consumer.acquire_many(handles)
         assert all(int(lease.array[0]) == i % 251 for i, lease in enumerate(leases))
         assert daemon.stat().live_objects == 100 and daemon.stat().allocation_failures == 0
-        consumer.release_many(leases, wait=True)
+        consumer.release(leases, wait=True)
         del leases
         for h in handles:
             producer.release(h)

@@ -60,7 +60,7 @@ def test_video_patches_written_into_a_loan(renderer, daemon):
     with Producer(daemon.socket_path) as producer:
         loan = producer.loan(shape=media.video_shape(grid), dtype=np.float32)
         media.Renderer.assemble_video(frames, grid, loan.array)
-        handle = loan.commit(hash=True)
+        handle = loan.commit(digest=True)
         with Consumer(daemon.socket_path) as consumer:
             lease = consumer.acquire(handle)
             lease.verify()
@@ -69,7 +69,7 @@ def test_video_patches_written_into_a_loan(renderer, daemon):
             np.testing.assert_array_equal(rows[1, :, :, 0], frames[2].reshape(256, 3, 2, 196)[:, :, 0])
             np.testing.assert_array_equal(rows[1, :, :, 1], frames[3].reshape(256, 3, 2, 196)[:, :, 0])
             del rows
-            consumer.release_many([lease], wait=True)
+            consumer.release([lease], wait=True)
         loan.release()  # after commit: drops the producer's reference
         producer.flush()
     prompt = expand_prompt("x", [("video", {"video_grid_thw": np.array([grid])})])

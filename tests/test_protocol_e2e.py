@@ -131,7 +131,7 @@ def test_tensors_already_in_shm_loan_commit(daemon):
         loans = producer.loan_many([(None, (3, 4), np.float32), (None, (1, 3), np.int64)])
         loans[0].array[...] = np.arange(12, dtype=np.float32).reshape(3, 4)
         loans[1].array[...] = [[1, 2, 2]]
-        handles = producer.commit_many(loans, hash=True)
+        handles = producer.commit_many(loans, digest=True)
         for loan in loans:
             loan._detach_views()  # the producer keeps its reference through the handle (as put_many)
         del loans, loan  # a loan keeps its slice of the mapping until it is garbage
@@ -281,7 +281,7 @@ def test_a_request_with_a_referenced_handle_is_never_inlined_whole(daemon):
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
         loan = producer.loan(shape=(4, 8), dtype=np.float32)
         loan.array[:] = 1.0
-        handle = loan.commit(hash=True)
+        handle = loan.commit(digest=True)
         between = np.ones(DEFAULT_INLINE.tensor_below_nbytes // 4, np.float32)  # 4 KiB: below the request threshold
         items = [FeatureItem("image", {"pixel_values": handle, "between": between, "tiny": np.ones(4, np.float32)},
                              PlaceholderRange(0, 4))]

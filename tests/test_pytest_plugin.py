@@ -55,7 +55,7 @@ def shm_owned_prefixes():
 def test_round_trip_through_the_fixture_daemon(shm_producer, shm_consumer, shm_daemon):
     record(shm_daemon)
     x = np.arange(4096, dtype=np.float32)
-    handle = shm_producer.put(x, hash=True)
+    handle = shm_producer.put(x, digest=True)
     with shm_consumer.acquire(handle) as lease:
         lease.verify()
         assert np.array_equal(lease.array, x)

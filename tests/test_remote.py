@@ -96,7 +96,7 @@ def host_two_nodes(conn, remote_kwargs: dict | None = None):
                 if cmd == "exit":
                     break
                 if cmd == "put":
-                    new = producer.put_many(args[0], hash=True)
+                    new = producer.put_many(args[0], digest=True)
                     handles.extend(new)
                     consumer_ns = namespace_of(local_consumer)
                     conn.send([(h.to_proto().SerializeToString(),

@@ -168,7 +168,7 @@ def _forger(socket_path: str, seen: bytes) -> dict:
             try:
                 lease = c.acquire(h)
                 out[name] = f"ACQUIRED {bytes(lease.array[:8])!r}"
-                c.release_many([lease], wait=True)
+                c.release([lease], wait=True)
             except ShmTransportError as exc:
                 out[name] = exc.reason.value
         try:  # releasing or committing someone else's object is refused even with its exact handle
@@ -183,8 +183,8 @@ def _forger(socket_path: str, seen: bytes) -> dict:
 def test_a_handle_forged_by_another_process_for_bytes_it_was_not_given_is_refused(make_daemon, object_slots):
     daemon = make_daemon(object_slots=object_slots)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p:
-        shared = p.put(np.zeros(1024, np.float32), hash=True)  # the forger was given this one
-        secret = p.put(ARRAY, hash=True)  # ... not this one: next offset, next generation or slot
+        shared = p.put(np.zeros(1024, np.float32), digest=True)  # the forger was given this one
+        secret = p.put(ARRAY, digest=True)  # ... not this one: next offset, next generation or slot
         if shared.shm.slot:  # an object-table generation counts the objects of one slot
             assert (secret.shm.slot, secret.shm.generation) == (shared.shm.slot + 1, shared.shm.generation)
         else:
@@ -210,13 +210,13 @@ def test_current_model_a_same_uid_client_holding_all_fields_of_a_valid_handle_ma
     slots handed out in order: a same-uid client can guess them.)"""
     daemon = make_daemon(object_slots=object_slots)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
-        h = p.put(ARRAY, hash=True)
+        h = p.put(ARRAY, digest=True)
         guessed = Handle(pb.Handle(name=h.shm.name, offset=h.shm.offset, nbytes=h.shm.nbytes, slot=h.shm.slot,
                                    generation=h.shm.generation, instance_id=h.shm.instance_id),
                          h.dtype, h.shape, h.digest, h.commit_token)
         lease = c.acquire(guessed)
         assert np.array_equal(lease.array, ARRAY)
-        c.release_many([lease], wait=True)
+        c.release([lease], wait=True)
         del lease
         p.release(h, wait=True)
 
@@ -249,7 +249,7 @@ def test_a_consumers_view_is_read_only(daemon):
         with pytest.raises(ValueError):
             arr[0] = 1
         del arr
-        c.release_many([lease], wait=True)
+        c.release([lease], wait=True)
         del lease
         p.release(h, wait=True)
 

@@ -149,7 +149,7 @@ def _tenant_nobody(conn, socket_path: str, foreign: bytes, root_segments: list[s
     out = {}
     with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as producer, \
             Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as consumer:
-        mine = producer.put(np.arange(256, dtype=np.int32), hash=True)
+        mine = producer.put(np.arange(256, dtype=np.int32), digest=True)
         with consumer.acquire(mine) as lease:
             lease.verify()
             out["own_roundtrip"] = bool(np.array_equal(lease.array, np.arange(256, dtype=np.int32)))
@@ -197,7 +197,7 @@ def test_a_second_uid_is_its_own_tenant_and_cannot_read_acquire_or_see_the_other
     _open_to_nobody(daemon)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
             Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
-        secret = producer.put(np.full(MiB, 0xAB, dtype=np.uint8), hash=True)
+        secret = producer.put(np.full(MiB, 0xAB, dtype=np.uint8), digest=True)
         scratch = producer.put(np.full(MiB, 0xAB, dtype=np.uint8))
         producer.release(scratch, wait=True)  # freed bytes of root's tenant, not scrubbed
         # Under the C backend the secret lives in root's object table: a segment of its own, like the arena.
@@ -225,7 +225,7 @@ def _group_member(conn, socket_path: str) -> None:
         handles = [producer.put(np.arange(64, dtype=np.int64), dedicated=dedicated) for dedicated in (False, True)]
         leases = consumer.acquire_many(handles)
         ok = all(np.array_equal(lease.array, np.arange(64)) for lease in leases)
-        consumer.release_many(leases, wait=True)
+        consumer.release(leases, wait=True)
         producer.release(handles, wait=True)
         conn.send((ok, consumer.stat().tenant))
     conn.recv()
@@ -377,7 +377,7 @@ def test_a_commit_wakes_only_the_acquires_waiting_for_its_objects(make_daemon):
         resolved = _count_calls(registry, "_resolve")
         for _ in range(20):
             h = producer.put(np.zeros(64, np.uint8))
-            victim.release_many([victim.acquire(h)])
+            victim.release([victim.acquire(h)])
             producer.release(h)
         victim.flush()
         # The victim's own handles only (a few per round trip), not 4 x 1000 rescans per commit.
@@ -392,7 +392,7 @@ def test_a_commit_wakes_only_the_acquires_waiting_for_its_objects(make_daemon):
 
 def _acquire_error(consumer, handles):
     try:
-        consumer.release_many(consumer.acquire_many(handles))
+        consumer.release(consumer.acquire_many(handles))
     except ShmTransportError as exc:
         return exc
     return None

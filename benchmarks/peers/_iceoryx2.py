@@ -162,7 +162,7 @@ def _producer_main(name: str, ctl, peer, tensors: int, nbytes: int, seed: int) -
 
         samples, ok, elapsed = _run_for(duration_s, lifecycle)
         peer.send(("stop",))
-        ctl.send(("result", samples, ok, elapsed, False, False))
+        ctl.send(("result", samples, ok, elapsed))
     except BaseException:  # noqa: BLE001
         _send_failure(ctl, peer)
     finally:
@@ -195,7 +195,7 @@ def _consumer_main(name: str, ctl, peer, tensors: int, nbytes: int, seed: int) -
                 del got
                 sample.delete()  # back to the publisher before the ack, as the shm consumer releases
                 ports.answer(ACK_HOLDING if ok else ACK_FAILED)
-        ctl.send(("done", False, False))
+        ctl.send(("done",))
     except BaseException:  # noqa: BLE001
         _send_failure(ctl)
     finally:
@@ -213,7 +213,7 @@ def run_iceoryx2_lifecycles(pairs: int, tensors: int, nbytes: int, duration_s: f
 
     token = service_name("lifecycle")
     try:
-        results, _, _ = _run_pairs(_producer_main, _consumer_main, lambda i: (f"{token}/{i}",),
+        results, _ = _run_pairs(_producer_main, _consumer_main, lambda i: (f"{token}/{i}",),
                                    pairs, tensors, nbytes, duration_s, None)
     finally:
         remove_management_file()

@@ -1,11 +1,10 @@
 """Request-lifecycle throughput: N concurrent producer/consumer client pairs against one daemon
 (``run_lifecycles``), and the same shape of request sent inline over gRPC (``run_grpc_inline_lifecycles``).
 
-One lifecycle = put ``tensors`` arrays (``put_many`` when the client has it; with the content digest
-fused in when ``fused_hash``) -> handles over the pair's socket -> ``acquire`` them (``acquire_many``) ->
-check their digests -> release (``release_many``) -> ack -> the producer releases its handles
-(``release_many``, else ``release(list)``). The consumer's digest check (xxh3_64 of every array) is
-inside the lifecycle: it is the receiver's correctness flag.
+One lifecycle = ``put_many`` of ``tensors`` arrays (with the content digest fused in when
+``fused_hash``) -> handles over the pair's socket -> ``acquire_many`` -> check their digests ->
+``release`` the leases -> ack -> the producer releases its handles. The consumer's digest check
+(xxh3_64 of every array) is inside the lifecycle: it is the receiver's correctness flag.
 
 The handles travel on a ``SOCK_SEQPACKET`` socket pair (pickled, one packet each way), the cheapest
 channel a frontend could pick, as iceoryx2's pairs use their own event service: the row measures
@@ -13,7 +12,6 @@ the transport, not a pickling pipe.
 """
 from __future__ import annotations
 
-import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -35,10 +33,6 @@ from .common import (
     verify,
     wait_reply,
 )
-
-
-def _batch(obj, name: str):
-    return getattr(obj, name, None)
 
 
 def _run_for(duration_s: float, lifecycle) -> tuple[list[float], bool, float]:
@@ -78,29 +72,23 @@ def _producer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tenso
     try:
         client = _ours.client().Producer(socket_path, timeout_s=_ours.CLIENT_TIMEOUT_S)
         arrays = [seeded_payload(nbytes, seed + i) for i in range(tensors)]
-        put_many, release_many = _batch(client, "put_many"), _batch(client, "release_many")
-        if put_many is not None:
-            put_many = functools.partial(put_many, hash=fused_hash)
         sock.settimeout(REPLY_TIMEOUT_S)
         ctl.send(("ready", os.getpid()))
         _, duration_s = wait_reply(ctl, START_TIMEOUT_S, "lifecycle orchestrator")
 
         def lifecycle() -> bool:
-            handles = list(put_many(arrays)) if put_many else [client.put(a, hash=fused_hash) for a in arrays]
+            handles = client.put_many(arrays, digest=fused_hash)
             sock.send(pickle.dumps([h.to_bytes() for h in handles]))
             reply = sock.recv(MAX_PACKET)
             if reply not in (b"\x00", b"\x01"):
                 raise RuntimeError(f"lifecycle consumer: {reply[:2000]!r}")
             flag = reply == b"\x01"
-            if release_many:
-                release_many(handles)
-            else:
-                client.release(handles)  # Producer.release takes one handle or an iterable: one RPC
+            client.release(handles)
             return flag
 
         samples, ok, elapsed = _run_for(duration_s, lifecycle)
         sock.send(STOP)
-        ctl.send(("result", samples, ok, elapsed, bool(put_many), bool(release_many)))
+        ctl.send(("result", samples, ok, elapsed))
     except BaseException:  # noqa: BLE001
         _send_failure(ctl)
         try:
@@ -123,7 +111,6 @@ def _consumer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tenso
         mod = _ours.client()
         client = mod.Consumer(socket_path, timeout_s=_ours.CLIENT_TIMEOUT_S)
         digests = [digest_of(seeded_payload(nbytes, seed + i)) for i in range(tensors)]
-        acquire_many, release_many = _batch(client, "acquire_many"), _batch(client, "release_many")
         sock.settimeout(IDLE_POLL_S)
         ctl.send(("ready", os.getpid()))
         parent = mp.parent_process()
@@ -140,16 +127,12 @@ def _consumer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tenso
             if packet in (STOP, b""):
                 break
             handles = [mod.Handle.from_bytes(b) for b in pickle.loads(packet)]
-            leases = list(acquire_many(handles)) if acquire_many else [client.acquire(h) for h in handles]
+            leases = client.acquire_many(handles)
             ok = all(verify(lease.array, d) for lease, d in zip(leases, digests))
-            if release_many:
-                release_many(leases)
-            else:
-                for lease in leases:
-                    lease.release()
+            client.release(leases)
             del leases
             sock.send(b"\x01" if ok else b"\x00")
-        ctl.send(("done", bool(acquire_many), bool(release_many)))
+        ctl.send(("done",))
     except BaseException:  # noqa: BLE001
         _send_failure(ctl)
         try:
@@ -168,12 +151,12 @@ def run_lifecycles(socket_path: str, pairs: int, tensors: int, nbytes: int, dura
                    rss_pid: int | None = None, fused_hash: bool = True) -> dict:
     """Start ``pairs`` producer/consumer processes, run them together for ``duration_s``.
 
-    Returns lifecycles/s (all pairs together), per-lifecycle seconds, the AND of the flags, which
-    batch calls were used, and the peak VmRSS (KiB) of ``rss_pid`` sampled during the run.
+    Returns lifecycles/s (all pairs together), per-lifecycle seconds, the AND of the flags and the
+    peak VmRSS (KiB) of ``rss_pid`` sampled during the run.
     """
     channels = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(pairs)]
     try:
-        results, consumer_batch, peak = _run_pairs(
+        results, peak = _run_pairs(
             _producer_main, _consumer_main, lambda i: (socket_path, fused_hash, channels[i]),
             pairs, tensors, nbytes, duration_s, rss_pid)
     finally:
@@ -187,10 +170,6 @@ def run_lifecycles(socket_path: str, pairs: int, tensors: int, nbytes: int, dura
         "lifecycles_per_s": count / wall,
         "samples": samples,
         "correct": all(r[2] for r in results),
-        "producer_put_many": all(r[4] for r in results),
-        "producer_release_many": all(r[5] for r in results),  # else release(list): also one RPC
-        "consumer_acquire_many": all(b[0] for b in consumer_batch),
-        "consumer_release_many": all(b[1] for b in consumer_batch),
         "daemon_peak_rss_kib": peak or None,
     }
 
@@ -203,7 +182,7 @@ def run_grpc_inline_lifecycles(workdir: str, pairs: int, tensors: int, nbytes: i
     One lifecycle = join the arrays' bytes into the request (the copy a frontend holding numpy arrays
     pays) -> the call -> the consumer's digest check -> the response. No daemon; no releases.
     """
-    results, _, _ = _run_pairs(
+    results, _ = _run_pairs(
         _grpc_producer_main, _grpc_consumer_main, lambda i: (os.path.join(workdir, f"inline{i}.sock"),),
         pairs, tensors, nbytes, duration_s, None)
     samples = [s for r in results for s in r[1]]
@@ -250,11 +229,10 @@ def _run_pairs(producer_target, consumer_target, endpoint, pairs: int, tensors: 
                     pending.remove(item)
             if time.monotonic() > deadline:
                 raise TimeoutError("lifecycle producers did not finish")
-        consumer_batch = []
         for proc, ctl, role in procs:
             if role == "consumer":
-                consumer_batch.append(wait_reply(ctl, REPLY_TIMEOUT_S, "lifecycle consumer")[1:])
-        return results, consumer_batch, peak
+                wait_reply(ctl, REPLY_TIMEOUT_S, "lifecycle consumer")
+        return results, peak
     finally:
         for proc, ctl, _ in procs:
             stop_process(proc, None, "lifecycle")
@@ -278,7 +256,7 @@ def _grpc_producer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, 
         call = channel.unary_unary(f"/{SERVICE}/Call")  # raw bytes both ways
         samples, ok, elapsed = _run_for(duration_s, lambda: call(b"".join(arrays), timeout=REPLY_TIMEOUT_S) == b"\x01")
         peer.send(("stop",))
-        ctl.send(("result", samples, ok, elapsed, False, False))
+        ctl.send(("result", samples, ok, elapsed))
     except BaseException:  # noqa: BLE001
         _send_failure(ctl, peer)
     finally:
@@ -319,7 +297,7 @@ def _grpc_consumer_main(socket_path: str, ctl, peer, tensors: int, nbytes: int, 
             if (parent is not None and not parent.is_alive()) or idle_s > IDLE_LIMIT_S:
                 return
         peer.recv()  # ("stop",)
-        ctl.send(("done", False, False))
+        ctl.send(("done",))
     except BaseException:  # noqa: BLE001
         _send_failure(ctl)
     finally:

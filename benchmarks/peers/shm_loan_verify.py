@@ -1,4 +1,4 @@
-"""``shm_loan_verify``: as ``shm_loan`` but ``commit(hash=True)`` (the content digest computed from
+"""``shm_loan_verify``: as ``shm_loan`` but ``commit(digest=True)`` (the content digest computed from
 shared memory at commit — transport cost, timed) and the consumer runs ``lease.verify()`` inside the
 span, as ``shm_put_verify`` does. The renderer's write stays excluded, as in ``shm_loan``."""
 from __future__ import annotations
@@ -19,6 +19,6 @@ class Producer(_PutProducer):
         start_write = time.perf_counter()
         np.copyto(loan.array.reshape(-1)[: payload.nbytes], payload)  # the renderer's write — untimed
         excluded = time.perf_counter() - start_write
-        self.handle = loan.commit(hash=True)
+        self.handle = loan.commit(digest=True)
         self.chan.handoff(self.handle.to_bytes())
         return excluded

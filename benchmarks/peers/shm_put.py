@@ -1,4 +1,4 @@
-"""``shm_put``: shmtransport ``Producer.put(array, hash=False)`` (one copy into the arena), handle over
+"""``shm_put``: shmtransport ``Producer.put(array, digest=False)`` (one copy into the arena), handle over
 the pipe, ``Consumer.acquire`` (zero-copy read-only view), ack. Releases on both sides are untimed."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Producer(ProducerBase):
         self.client = _ours.client().Producer(self.socket_path, timeout_s=_ours.CLIENT_TIMEOUT_S)
 
     def transfer(self, payload: np.ndarray) -> float:
-        self.handle = self.client.put(payload, hash=self.hash)
+        self.handle = self.client.put(payload, digest=self.hash)
         self.chan.handoff(self.handle.to_bytes())
         return 0.0
 

@@ -1,4 +1,4 @@
-"""``shm_put_hash``: as ``shm_put`` with ``put(array, hash=True)`` — the copy into shm with the content
+"""``shm_put_hash``: as ``shm_put`` with ``put(array, digest=True)`` — the copy into shm with the content
 hash fused in (the default producer path)."""
 from __future__ import annotations
 

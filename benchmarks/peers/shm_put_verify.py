@@ -1,4 +1,4 @@
-"""``shm_put_verify``: as ``shm_put_hash`` (``put(array, hash=True)``, the content hash fused into the
+"""``shm_put_verify``: as ``shm_put_hash`` (``put(array, digest=True)``, the content hash fused into the
 copy) and the consumer checks the identity inside the span: ``acquire`` then ``lease.verify()`` (the
 digest recomputed from shared memory, compared with the handle's) before it acks."""
 from __future__ import annotations

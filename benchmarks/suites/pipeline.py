@@ -9,7 +9,7 @@ copy) and this process as the frontend. One timed span = the frontend has the re
 is system-wide on Linux, so the two processes' stamps subtract). Each request generates 1 token.
 
 Paths, alternating in rounds after warm-up, identity verification ON for all of them:
-- ``shm``: ``put_many(hash=True)`` (one copy, digest fused) -> handles in GenerateRequest -> worker
+- ``shm``: ``put_many(digest=True)`` (one copy, digest fused) -> handles in GenerateRequest -> worker
   Acquire -> digest recomputed from shared memory (C kernel) -> zero-copy views: the renderer's
   output is a fresh array, copied once. Ratios ``*_put``.
 - ``shm_loan``: the renderer wrote its output in place into loans (untimed: that is rendering, as

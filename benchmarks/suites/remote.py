@@ -111,7 +111,7 @@ def run(quick: bool) -> Report:
         with Producer(daemon.socket_path) as producer:
             exporter = RemoteExporter(producer)
             rng = np.random.default_rng(20260901)
-            handles = {n: producer.put(rng.integers(0, 256, n, dtype=np.uint8), hash=True) for n in plan}
+            handles = {n: producer.put(rng.integers(0, 256, n, dtype=np.uint8), digest=True) for n in plan}
             views = {str(n).encode(): producer._memory(h.shm)[:n] for n, h in handles.items()}
 
             def serve(request, context):

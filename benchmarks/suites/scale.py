@@ -605,7 +605,7 @@ def daemon_vs_leases(report: Report, counts: tuple[int, ...], lifecycles: int, w
                                       "live_leases": stat.live_leases, "object_table": in_table})
         finally:
             if leases:
-                holder_c.release_many(leases)  # queued; close() sends them in batches
+                holder_c.release(leases)  # queued; close() sends them in batches
             leases.clear()
             for c in (holder_c, holder_p, cons, prod):
                 try:
@@ -626,14 +626,14 @@ def daemon_vs_leases(report: Report, counts: tuple[int, ...], lifecycles: int, w
             entry["bytes_per_lease"] = round(per_lease, 1)
             entry["growth"] += f"; {per_lease:.0f} bytes of daemon RSS per held object + lease above {xs[0]}"
     report.notes.append(f"daemon_vs_leases: a holder Producer/Consumer pair holds N objects of {HELD_NBYTES} B and N "
-                        f"leases; another pair measures put(4 KiB, hash=True) -> acquire -> digest check -> "
+                        f"leases; another pair measures put(4 KiB, digest=True) -> acquire -> digest check -> "
                         f"release x{lifecycles} (in the object table: shared memory alone; else releases queued "
                         f"and piggybacked on the next call) and Stat x"
                         f"{stat_calls}; clients in the benchmark process, the daemon in its own")
 
 
 def _one_lifecycle(prod, cons, data: np.ndarray, digest: int) -> bool:
-    handle = prod.put(data, hash=True)
+    handle = prod.put(data, digest=True)
     lease = cons.acquire(handle)
     ok = verify(lease.array, digest)
     lease.release()

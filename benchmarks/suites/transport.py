@@ -143,8 +143,6 @@ def _measure_rates(report: Report, sessions, daemon, quick: bool, rss) -> None:
     report.add_row("lifecycles", result["samples"], result["correct"], pairs=LIFECYCLE["pairs"],
                    tensors=LIFECYCLE["tensors"], nbytes=LIFECYCLE["nbytes"],
                    extra={"lifecycles_per_s": round(result["lifecycles_per_s"], 1),
-                          "batch_calls": {k: result[k] for k in ("producer_put_many", "producer_release_many",
-                                                                  "consumer_acquire_many", "consumer_release_many")},
                           "daemon_rss_mb": None})  # filled in by _rss_note
 
 

@@ -135,7 +135,7 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                     loan.array[:half] = data[:half]
                     phase("mid_copy", pause_at)
                     loan.array[half:] = data[half:]
-                    handle = loan.commit(hash=True)
+                    handle = loan.commit(digest=True)
                 except BaseException:
                     loan.release()
                     raise
@@ -171,16 +171,16 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                     phase("c_after_acquire", pause_at)
                     lease.verify()
                     if not np.array_equal(lease.array, expected_bytes(seed, nbytes)):
-                        client.release_many([lease])
+                        client.release([lease])
                         conn.send(("silent_foreign", ("-", "-", "digest verified but the bytes differ")))
                         continue
                     verified = True
                     phase("c_after_verify", pause_at)
-                    client.release_many([lease], wait=True)
+                    client.release([lease], wait=True)
                     phase("c_after_release", pause_at)
                 except ShmTransportError as exc:
                     try:
-                        client.release_many([lease])
+                        client.release([lease])
                     except ShmTransportError:
                         pass
                     if verified:  # the bytes were right; only the release failed (daemon gone)

@@ -1,7 +1,7 @@
 """Client library: ``Producer`` (put, loan → commit) and ``Consumer`` (acquire → release).
 
 The frontend writes tensors straight into shared memory (``loan``) or copies once with the content
-digest fused into the copy (``put(..., hash=True)``); the worker gets zero-copy read-only numpy
+digest fused into the copy (``put(..., digest=True)``); the worker gets zero-copy read-only numpy
 views and torch tensors on private copy-on-write pages of the same bytes (an in-place op changes
 only this lease's pages, never the shared bytes). Batch forms make one RPC per request, not per
 tensor.
@@ -411,8 +411,13 @@ class Loan(_View):
         self._placed = placed
         self.committed = False
 
-    def commit(self, hash: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
-        return self._client.commit_many([self], hash=hash, hold_ms=hold_ms, wait=wait)[0]
+    def commit(self, *, digest: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
+        """Seal the bytes and hand the object off; the handle names it to consumers. See
+        ``Producer.commit_many`` for ``digest``, ``hold_ms`` and ``wait``.
+
+        Raises ClosedError (released), StateError (already committed), Unavailable (the daemon
+        restarted under the loan)."""
+        return self._client.commit_many([self], digest=digest, hold_ms=hold_ms, wait=wait)[0]
 
     def release(self) -> None:
         """Give the loan back without committing (or drop the producer reference after commit)."""
@@ -528,7 +533,7 @@ class _Client:
         self.flush(strict=False)
         return self._call("List", pb.ListRequest(limit=limit))
 
-    def flush(self, strict: bool = True) -> None:
+    def flush(self, *, strict: bool = True) -> None:
         """Send every queued release now (one RPC per batch). Returns once every release queued
         before the call has been applied, whichever thread sent it. ``strict``: daemon-side errors
         (e.g. a lease that already expired) raise here; otherwise such entries are skipped."""
@@ -842,9 +847,10 @@ class Producer(_Client):
             return loans
 
     def commit_many(
-        self, loans: Sequence[Loan], hash: bool = False, hold_ms: int = 0, wait: bool = False
+        self, loans: Sequence[Loan], *, digest: bool = False, hold_ms: int = 0, wait: bool = False
     ) -> list[Handle]:
-        """Seal loans; ``hash`` computes each content digest from shared memory first.
+        """Seal loans and return their handles; ``digest`` computes each content digest (XXH3-128
+        tree digest, checked by ``Lease.verify``) from shared memory first.
 
         A committed object is handed off: if this producer closes (or dies) before any consumer
         acquired it, it lives on until a first consumer does, or until the daemon's hand-off
@@ -868,7 +874,7 @@ class Producer(_Client):
             if loan.committed:
                 raise StateError(f"{loan!r} is already committed")
         for loan in loans:
-            if hash:
+            if digest:
                 loan.handle.digest = kernels.tree_digest(loan._memory)
         in_table = [loan for loan in loans if loan._placed is not None]
         if in_table:
@@ -943,23 +949,29 @@ class Producer(_Client):
             finally:
                 super().close()
 
-    def put(self, tensor: Any, hash: bool = False, hold_ms: int = 0, dedicated: bool = False) -> Handle:
-        """Copy one numpy array / torch tensor into shared memory (one copy, digest fused)."""
-        return self.put_many([tensor], hash=hash, hold_ms=hold_ms, dedicated=dedicated)[0]
+    def put(self, tensor: Any, *, digest: bool = False, hold_ms: int = 0, dedicated: bool = False) -> Handle:
+        """Copy one numpy array or torch tensor (any dtype, C-contiguous or not) into shared memory
+        and commit it: one copy, with the content digest fused into it when ``digest``. The
+        options are ``commit_many``'s and ``loan_many``'s.
 
-    def put_many(self, tensors: Sequence[Any], hash: bool = False, hold_ms: int = 0,
+        Raises ResourceExhausted when no space frees within ``alloc_wait_s`` (its reason says
+        whether the arena, the tenant's quota or ``/dev/shm`` is short), InvalidArgument for an
+        unsupported dtype."""
+        return self.put_many([tensor], digest=digest, hold_ms=hold_ms, dedicated=dedicated)[0]
+
+    def put_many(self, tensors: Sequence[Any], *, digest: bool = False, hold_ms: int = 0,
                  dedicated: bool = False) -> list[Handle]:
-        """Copy every tensor into shared memory with one Loan and one Commit RPC (``dedicated``:
-        one segment per tensor, see ``loan_many``)."""
+        """``put`` for every tensor, all or nothing, with at most one Loan and one Commit RPC
+        (none with the object table)."""
         sources = [as_byte_array(t) for t in tensors]
         loans = self.loan_many([(src.nbytes, shape, dt) for src, dt, shape in sources], dedicated=dedicated)
         try:
             for loan, (src, _, _) in zip(loans, sources):
-                if hash:
+                if digest:
                     loan.handle.digest = kernels.copy_tree_digest(loan._memory, src, self.copy_threads)
                 else:
                     kernels.copy(loan._memory, src, self.copy_threads)
-            handles = self.commit_many(loans, hash=False, hold_ms=hold_ms)
+            handles = self.commit_many(loans, hold_ms=hold_ms)
         except BaseException:
             self._release_views(loans)
             raise
@@ -967,7 +979,7 @@ class Producer(_Client):
             loan._detach_views()  # the producer keeps its reference through the handle, not the loan
         return handles
 
-    def release(self, handles: Handle | Iterable[Handle], wait: bool = False) -> None:
+    def release(self, handles: Handle | Iterable[Handle], *, wait: bool = False) -> None:
         """Drop this producer's reference(s); bytes are freed once every consumer that holds
         them released too. Unlike closing, this ends the hand-off (see ``commit_many``).
 
@@ -1019,11 +1031,19 @@ class Producer(_Client):
 class Consumer(_Client):
     _writable = False
 
-    def acquire(self, handle: Handle, ttl_ms: int = 0) -> Lease:
+    def acquire(self, handle: Handle, *, ttl_ms: int = 0) -> Lease:
+        """A read-only lease on the object ``handle`` names: ``lease.array`` (numpy) and
+        ``lease.tensor()`` (torch) are zero-copy views, valid until ``release``. ``ttl_ms``: the
+        daemon takes the lease back after that many milliseconds (0: the daemon's default).
+
+        Raises HandleError (stale, forged or out-of-bounds handle), PermissionDenied (another
+        tenant's object), Unavailable (a handle of another daemon instance), InvalidArgument
+        (not a Handle, or its shape and dtype do not match its size)."""
         return self.acquire_many([handle], ttl_ms=ttl_ms)[0]
 
-    def acquire_many(self, handles: Sequence[Handle], ttl_ms: int = 0) -> list[Lease]:
-        """Leases on every handle in one RPC; read-only zero-copy views."""
+    def acquire_many(self, handles: Sequence[Handle], *, ttl_ms: int = 0) -> list[Lease]:
+        """``acquire`` for every handle, all or nothing, in at most one RPC (none for objects
+        in this tenant's object table)."""
         handles = list(handles)
         if not handles:
             raise InvalidArgument("handles must not be empty")
@@ -1086,8 +1106,12 @@ class Consumer(_Client):
                 self._queue(lease)
             raise
 
-    def release_many(self, leases: Sequence[Lease], wait: bool = False) -> None:
-        """Release leases (queued and piggybacked; ``wait=True`` sends them now)."""
+    def release(self, leases: Lease | Iterable[Lease], *, wait: bool = False) -> None:
+        """Release one lease or many (the same as ``lease.release()``): at once in the object
+        table, otherwise queued and piggybacked on the next call; ``wait=True`` sends them now and
+        raises the daemon's verdict. A lease whose views the caller still holds is released when
+        the last view goes. Raises OwnershipError for another Consumer's lease."""
+        leases = [leases] if isinstance(leases, Lease) else list(leases)
         for lease in leases:
             if lease._client is not self:
                 raise OwnershipError(f"{lease!r} belongs to another Consumer")

@@ -90,11 +90,11 @@ def test_a_consumer_idle_across_a_daemon_restart_acquires_handles_of_the_new_ins
             first.stop()
             make_daemon(socket_path=path)
             with Producer(path, timeout_s=TIMEOUT_S) as producer:
-                handle = producer.put(ARRAY, hash=True)
+                handle = producer.put(ARRAY, digest=True)
                 try:
                     lease = consumer.acquire(handle)
                     lease.verify()
-                    consumer.release_many([lease], wait=True)
+                    consumer.release([lease], wait=True)
                     del lease
                 finally:
                     producer.release(handle, wait=True)

@@ -1,9 +1,9 @@
 """Frontend side: ``FeatureItem`` list -> typed ``MultimodalRequest`` (+ Dynamo routing metadata).
 
-Tensors go into shared memory with ONE copy (``Producer.put_many(hash=True)``: the per-tensor
+Tensors go into shared memory with ONE copy (``Producer.put_many(digest=True)``: the per-tensor
 XXH3-128 tree digest is fused into that copy), and each item's identity is ``identity.combine``
 over those per-tensor digests, so nothing is hashed twice. Tensors already in shared memory
-(``client.Handle`` from loan -> commit with ``hash=True``) are referenced, not copied.
+(``client.Handle`` from loan -> commit with ``digest=True``) are referenced, not copied.
 
 Transport modes: ``"shm"`` (default; TensorData.shm handles), ``"inline"`` (TensorData.inline raw
 bytes) and ``"msgpack"`` (vLLM's kwargs MessagePack in ``kwargs_msgpack``; the only mode for the
@@ -183,7 +183,7 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
             inline_nbytes -= src[1].nbytes
         if limits.max_shm_bytes is not None and total - inline_nbytes > limits.max_shm_bytes:
             raise limit_exceeded("max_shm_bytes", total - inline_nbytes, limits.max_shm_bytes)
-    put = producer.put_many(to_put, hash=scheme == "xxh3-128") if to_put else []
+    put = producer.put_many(to_put, digest=scheme == "xxh3-128") if to_put else []
     try:
         request = _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode, with_markers, limits)
     except BaseException:
@@ -220,7 +220,7 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
     for i, key, src in sources:
         if isinstance(src, Handle):
             if scheme == "xxh3-128" and not src.digest:
-                raise InvalidArgument(f"{key}: handle carries no digest: commit the loan with hash=True")
+                raise InvalidArgument(f"{key}: handle carries no digest: commit the loan with digest=True")
             if scheme != "xxh3-128":
                 raise InvalidArgument(f"{key}: referenced handles carry XXH3-128 digests; scheme {scheme!r} "
                                       f"needs the tensor")

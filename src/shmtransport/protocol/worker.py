@@ -95,7 +95,7 @@ class EngineInputs:
         self.mm_kwargs = {}
         leases, self._leases = self._leases, []
         if leases and self._consumer is not None:
-            self._consumer.release_many(leases)
+            self._consumer.release(leases)
 
     def __enter__(self) -> "EngineInputs":
         return self

@@ -197,7 +197,7 @@ class Frontend:
         try:
             if mode != "shm" or self.producer is None:
                 raise InvalidArgument("loaned tensors go through mode='shm' with a Producer")
-            handles = iter(self.producer.commit_many(loans, hash=self.scheme == "xxh3-128"))
+            handles = iter(self.producer.commit_many(loans, digest=self.scheme == "xxh3-128"))
         except BaseException:
             for loan in loans:
                 loan.release()

@@ -17,7 +17,7 @@ shared-memory buffer, and the frontend commits the loan with the digest computed
 memory (loan -> commit, no extra copy). Video patches are assembled by our pairing step straight
 into a loan (same). The Whisper feature extractor's log-mel output is a fresh array with no
 ``out=``, so it is copied ONCE into shared memory with the digest fused into the copy
-(``Producer.put_many(hash=True)``).
+(``Producer.put_many(digest=True)``).
 """
 from __future__ import annotations
 
