@@ -84,7 +84,7 @@ def forged(handle: Handle, **fields) -> Handle:
         setattr(shm, name, value)
     shape = (shm.nbytes,) if "nbytes" in fields else handle.shape
     dtype = "uint8" if "nbytes" in fields else handle.dtype
-    return Handle(shm, dtype, shape, handle.digest)
+    return Handle(shm, dtype, shape, digest=handle.digest)
 
 
 def raise_reason(excinfo, cls, reason: Reason) -> None:

@@ -147,7 +147,7 @@ def _forge(h: Handle, **fields) -> Handle:
     shm.CopyFrom(h.shm)
     for k, v in fields.items():
         setattr(shm, k, v)
-    return Handle(shm, "uint8", (shm.nbytes,), h.digest)
+    return Handle(shm, "uint8", (shm.nbytes,), digest=h.digest)
 
 
 def _forger(socket_path: str, seen: bytes) -> dict:
@@ -226,7 +226,7 @@ def test_a_loan_cannot_be_committed_by_another_client_without_its_secret_commit_
     daemon = make_daemon(commit_wait_s=0.1, object_slots=object_slots)  # an Acquire of a loan waits this long
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         loan = p.loan(64)
-        h = Handle(loan.handle.shm, "uint8", (64,), b"", os.urandom(16))
+        h = Handle(loan.handle.shm, "uint8", (64,), commit_token=os.urandom(16))
         # The daemon refuses a wrong token; an object-table loan commits only in its producer's
         # shared memory, so a token means nothing to it and the loan stays a loan.
         with pytest.raises(StateError if loan.handle.shm.slot else HandleError):

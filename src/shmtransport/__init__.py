@@ -1,16 +1,63 @@
-"""shmtransport: move decoded multimodal tensors between processes through daemon-owned shared memory."""
+"""shmtransport: move decoded multimodal tensors between processes through daemon-owned shared memory.
+
+The public API is what this package exports (``__all__``), the ``shmtransport`` command, the
+pytest plugin's fixtures and ``shmtransport.testing``; the submodules behind them are internal and
+may change between releases.
+
+    from shmtransport import Producer, Consumer, Handle
+
+    with Producer() as producer:                  # the frontend: one copy, digest fused
+        handle = producer.put(pixel_values, digest=True)
+    wire = handle.to_bytes()                      # what travels in the request
+    with Consumer() as consumer:                  # the worker: a zero-copy read-only view
+        with consumer.acquire(Handle.from_bytes(wire)) as lease:
+            lease.verify()
+            model(lease.tensor())
+"""
 from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKEND", "__version__"]
+# name -> the module it lives in; imported on first use, so importing the package (e.g. the pytest
+# plugin) costs nothing and cannot fail on a bad SHMTRANSPORT_BACKEND or a missing extra.
+_EXPORTS = {
+    "BACKEND": "._backend",
+    "Producer": ".client",
+    "Consumer": ".client",
+    "Handle": ".client",
+    "Loan": ".client",
+    "Lease": ".client",
+    "AsyncProducer": ".aio",
+    "AsyncConsumer": ".aio",
+    "Reason": ".errors",
+    "ShmTransportError": ".errors",
+    "InvalidArgument": ".errors",
+    "HandleError": ".errors",
+    "OwnershipError": ".errors",
+    "StateError": ".errors",
+    "ResourceExhausted": ".errors",
+    "PermissionDenied": ".errors",
+    "Unavailable": ".errors",
+    "IdentityMismatch": ".errors",
+    "ClosedError": ".errors",
+    "DeadlineExceeded": ".errors",
+    "MissingDependency": ".errors",
+    "InternalError": ".errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str):
-    # The kernel backend is chosen on first use, so importing the package (e.g. the pytest plugin)
-    # costs nothing and cannot fail on a bad SHMTRANSPORT_BACKEND.
-    if name == "BACKEND":
-        from ._backend import BACKEND
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shmtransport' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
 
-        return BACKEND
-    raise AttributeError(f"module 'shmtransport' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -169,7 +169,7 @@ def _run_ls(args: argparse.Namespace) -> int:
     from .client import Consumer
 
     with Consumer(args.socket, timeout_s=args.timeout_s) as client:
-        listing = client.list_objects(args.limit)
+        listing = client.list_objects(limit=args.limit)
         _without_session(listing.clients, client.session_id)
     kept = [o for o in listing.objects
             if (args.pid is None or args.pid == o.owner_pid or args.pid in o.holder_pids)

@@ -61,7 +61,7 @@ class Handle:
     __slots__ = ("shm", "dtype", "shape", "digest", "commit_token")
 
     def __init__(
-        self, shm: pb.Handle, dtype: str, shape: Sequence[int], digest: bytes = b"", commit_token: bytes = b""
+        self, shm: pb.Handle, dtype: str, shape: Sequence[int], *, digest: bytes = b"", commit_token: bytes = b""
     ):
         self.shm = shm
         self.dtype = dtype
@@ -71,22 +71,27 @@ class Handle:
 
     @property
     def nbytes(self) -> int:
+        """Size of the object in bytes (a zero-size tensor occupies 1)."""
         return self.shm.nbytes
 
     def to_proto(self) -> pb.TensorHandle:
+        """The ``shmtransport.v1.TensorHandle`` message, to embed in a request."""
         return pb.TensorHandle(
             shm=self.shm, dtype=self.dtype, shape=self.shape, digest=self.digest, commit_token=self.commit_token
         )
 
     @classmethod
     def from_proto(cls, msg: pb.TensorHandle) -> "Handle":
-        return cls(msg.shm, msg.dtype, msg.shape, msg.digest, msg.commit_token)
+        """The handle a ``TensorHandle`` message carries (checked when it is acquired)."""
+        return cls(msg.shm, msg.dtype, msg.shape, digest=msg.digest, commit_token=msg.commit_token)
 
     def to_bytes(self) -> bytes:
+        """The serialized ``TensorHandle``: what a frontend sends the worker (about 100 bytes)."""
         return self.to_proto().SerializeToString()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Handle":
+        """The handle ``to_bytes`` wrote; InvalidArgument when ``data`` is not one."""
         msg = pb.TensorHandle()
         try:
             msg.ParseFromString(data)
@@ -344,6 +349,7 @@ class _View:
 
     @property
     def closed(self) -> bool:
+        """Whether ``release`` was called (the views are gone)."""
         return self._released
 
     @property
@@ -474,6 +480,7 @@ class Lease(_View):
             raise IdentityMismatch(f"content digest mismatch for {self.handle!r}")
 
     def release(self) -> None:
+        """Give the lease back (see ``Consumer.release``); ``array`` raises from then on."""
         if not self._released:
             self._client._release_views([self])
 
@@ -493,10 +500,18 @@ class _Client:
     MAX_QUEUED_RELEASES = 256
     GRANT_RETURN_DELAY_S = 0.1  # how often a producer with grants looks for ones to park or give back
 
-    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0, release_delay_s: float = 0.02,
-                 *, daemon_uid: int | None = None):
-        """``daemon_uid``: the uid the daemon must run as (default: this process's own; root is
-        always accepted). A process at the socket running as anyone else is refused."""
+    def __init__(self, socket_path: str | None = None, *, timeout_s: float = 10.0, release_delay_s: float = 0.02,
+                 daemon_uid: int | None = None):
+        """Connect to the daemon at ``socket_path`` (default: ``$SHMTRANSPORT_SOCKET``, else the
+        per-user path ``shmtransport daemon`` listens on) and start a session.
+
+        ``timeout_s``: the deadline of every RPC, in seconds. ``release_delay_s``: how long a
+        queued release may wait for a call to piggyback on before it is sent on its own.
+        ``daemon_uid``: the uid the daemon must run as (default: this process's own; root is
+        always accepted); a process at the socket running as anyone else is refused.
+
+        Raises Unavailable (no daemon, or not the expected uid), ResourceExhausted (too few file
+        descriptors left for a connection)."""
         self._conn = _Connection(socket_path or default_socket_path(), timeout_s, self._writable, daemon_uid)
         self._release_delay_s = release_delay_s
         self._lock = threading.RLock()
@@ -511,10 +526,13 @@ class _Client:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` was called."""
         return self._closed
 
     @property
     def instance_id(self) -> str:
+        """The daemon instance this client is connected to (a restarted daemon has a new one; its
+        predecessor's handles are refused)."""
         return self._conn.instance_id
 
     @property
@@ -524,10 +542,12 @@ class _Client:
         return self._conn.hello["session_id"]
 
     def stat(self) -> pb.StatResponse:
+        """The daemon's counters (arena, quotas, sessions, reclaims) as ``shmtransport stat``
+        shows them; queued releases are sent first so the numbers include them."""
         self.flush(strict=False)
         return self._call("Stat", pb.StatRequest())
 
-    def list_objects(self, limit: int = 0) -> pb.ListResponse:
+    def list_objects(self, *, limit: int = 0) -> pb.ListResponse:
         """Every live object of this client's tenant, largest first (at most ``limit``; 0: the
         daemon's cap), with its state, producer and holders (``shmtransport ls``)."""
         self.flush(strict=False)
@@ -772,21 +792,26 @@ class _Client:
 
 
 class Producer(_Client):
+    """The frontend's side: ``loan`` (write a tensor in place) or ``put`` (copy one in), ``commit``
+    (seal it and hand it off as a ``Handle``), ``release`` (drop this producer's reference).
+    Thread-safe; a context manager that closes the session."""
+
     _writable = True
 
     def __init__(
         self,
         socket_path: str | None = None,
+        *,
         timeout_s: float = 10.0,
         release_delay_s: float = 0.02,
         alloc_wait_s: float = 1.0,
         copy_threads: int | None = None,
-        *,
         daemon_uid: int | None = None,
     ):
-        """``alloc_wait_s``: how long a loan waits for space when the arena is full (back-pressure)
-        before ResourceExhausted; 0 fails at once. ``copy_threads``: threads that ``put`` copies
-        (and hashes) large tensors with; None = all cores, 1 = the calling thread only."""
+        """The frontend's side (see ``_Client`` for the connection options). ``alloc_wait_s``:
+        how long, in seconds, a loan waits for space when the arena or the quota is full
+        (back-pressure) before ResourceExhausted; 0 fails at once. ``copy_threads``: threads that
+        ``put`` copies (and hashes) large tensors with; None = all cores, 1 = the calling thread."""
         self._pending_commits: list[grpc.Future] = []
         self.alloc_wait_s = alloc_wait_s
         self.copy_threads = copy_threads
@@ -798,7 +823,7 @@ class Producer(_Client):
         return self.loan_many([(nbytes, shape, dtype)], dedicated=dedicated)[0]
 
     def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]],
-                  dedicated: bool = False) -> list[Loan]:
+                  *, dedicated: bool = False) -> list[Loan]:
         """Loans for every ``(nbytes, shape, dtype)`` in one RPC (all or nothing).
 
         ``dedicated``: each loan gets its own daemon-owned segment (handle offset 0) that a stock
@@ -941,6 +966,8 @@ class Producer(_Client):
                 del failure  # no cycle through this frame (see _Connection.call)
 
     def close(self) -> None:
+        """Wait for commits in flight, then close as ``Consumer.close`` does; committed objects
+        nobody acquired yet live on (hand-off), everything else of this session is reclaimed."""
         if not self._closed:
             try:
                 self._settle_commits(block=True)
@@ -1029,6 +1056,10 @@ class Producer(_Client):
 
 
 class Consumer(_Client):
+    """The worker's side: ``acquire`` a ``Handle`` for a zero-copy read-only ``Lease``, ``release``
+    it when the model is done with the bytes. Thread-safe; a context manager that closes the
+    session."""
+
     _writable = False
 
     def acquire(self, handle: Handle, *, ttl_ms: int = 0) -> Lease:

@@ -209,7 +209,7 @@ def _tensor(key: str, td: fpb.TensorData, limits: Limits, where: str) -> Checked
             raise InvalidArgument(f"{where}.{key}: handle nbytes {td.shm.nbytes} != manifest "
                                   f"{td.dtype}{list(shape)} ({expected} bytes)")
         return CheckedTensor(td.dtype, shape, expected, "shm",
-                             Handle(td.shm, td.dtype, shape, td.digest, td.commit_token))
+                             Handle(td.shm, td.dtype, shape, digest=td.digest, commit_token=td.commit_token))
     if which == "remote":
         raise InvalidArgument(f"{where}.{key}: remote tensor transport {td.remote.transport!r} is not served")
     raise InvalidArgument(f"{where}.{key}: tensor has no payload")

@@ -69,7 +69,7 @@ def resolve(td: fpb.TensorData, *, consumer=None, reader=None, allow_inline: boo
         if consumer is None:
             raise InvalidArgument("a shm tensor needs a Consumer")
         counters.count(SHM, td.shm.nbytes)
-        return consumer.acquire(Handle(td.shm, td.dtype, td.shape, td.digest, td.commit_token))
+        return consumer.acquire(Handle(td.shm, td.dtype, td.shape, digest=td.digest, commit_token=td.commit_token))
     if kind == "remote":
         if td.remote.transport != _desc.TRANSPORT:
             raise InvalidArgument(f"remote transport {td.remote.transport!r} is not supported")
