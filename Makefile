@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-c test-python bench bench-quick chaos soak proto clean
+.PHONY: setup demo test test-c test-python test-dist bench bench-quick chaos soak proto clean
 
 setup: $(STAMP)
 
@@ -31,11 +31,18 @@ demo: setup
 
 test: setup test-c test-python
 
+# SHMTRANSPORT_REQUIRE_EXTRAS: here every optional package is installed, so a test skipped for want
+# of one is a failure (in the fresh venvs of test-dist such tests skip).
 test-c:
-	SHMTRANSPORT_BACKEND=c $(PY) -m pytest $(PYTEST_ARGS)
+	SHMTRANSPORT_REQUIRE_EXTRAS=1 SHMTRANSPORT_BACKEND=c $(PY) -m pytest $(PYTEST_ARGS)
 
 test-python:
-	SHMTRANSPORT_BACKEND=python $(PY) -m pytest $(PYTEST_ARGS)
+	SHMTRANSPORT_REQUIRE_EXTRAS=1 SHMTRANSPORT_BACKEND=python $(PY) -m pytest $(PYTEST_ARGS)
+
+# The sdist and the manylinux wheel as users install them, each in a fresh venv (CI runs it after
+# `make test`): tools/test_dist.sh.
+test-dist: setup
+	bash tools/test_dist.sh
 
 bench: setup
 	for suite in $$($(PY) -c "import sys; sys.path.insert(0, 'benchmarks'); import run; print(*run.available_suites())"); do \
@@ -57,4 +64,4 @@ proto: setup
 	$(PY) -m shmtransport.protogen
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/shmtransport/_shmt_c*.so src/shmtransport/_shmt_c.c
+	rm -rf $(VENV) build dist src/*.egg-info src/shmtransport/_shmt_c*.so src/shmtransport/_shmt_c.c

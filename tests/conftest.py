@@ -12,10 +12,15 @@ loaded through its ``pytest11`` entry point; its helpers are in ``shmtransport.t
   ``@pytest.mark.allow_live_objects``).
 - ``daemon``: ``make_daemon()`` with the defaults.
 - ``new_prefix``: factory of fresh segment-name prefixes for daemons a test starts itself.
+- Optional packages: a module that needs one (``OPTIONAL``, or ``pytest.importorskip`` inside)
+  is skipped where it is missing, e.g. in a venv with only the wheel and its test tools. Under
+  ``SHMTRANSPORT_REQUIRE_EXTRAS=1`` (``make test``) a missing one fails instead: there, a skip
+  for want of a package would be a test that silently stopped testing.
 """
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import sys
 import warnings
@@ -28,6 +33,59 @@ from shmtransport import testing  # noqa: E402
 from shmtransport.daemon import Daemon  # noqa: E402
 
 DAEMON_SETTLE_S = 3.0
+REQUIRE_EXTRAS = os.environ.get("SHMTRANSPORT_REQUIRE_EXTRAS") == "1"
+
+# Test modules that import optional upstream packages at their top.
+OPTIONAL = {
+    "test_bridges_smg.py": ("torch", "smg_grpc_servicer"),
+    "test_conformance_dynamo.py": ("torch", "vllm", "dynamo"),
+    "test_conformance_smg.py": ("torch", "vllm", "smg_grpc_servicer"),
+    "test_conformance_vllm.py": ("torch", "vllm"),
+    "test_embedmask.py": ("torch", "vllm"),
+    "test_protocol_e2e.py": ("torch",),
+}
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ImportError:
+        return True
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    missing = [m for m in OPTIONAL.get(module_path.name, ()) if _missing(m)]
+    if missing and not REQUIRE_EXTRAS:
+        return _SkippedModule.from_parent(parent, path=module_path, missing=missing)
+    return None  # the usual Module
+
+
+class _SkippedModule(pytest.File):
+    """Stands for a test module whose optional packages are missing: one visible skip."""
+
+    def __init__(self, *, missing: list[str], **kwargs):
+        super().__init__(**kwargs)
+        self.missing = missing
+
+    def collect(self):
+        pytest.skip(f"{self.path.name}: could not import {', '.join(self.missing)}: not installed",
+                    allow_module_level=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if REQUIRE_EXTRAS and report.skipped and "could not import" in str(report.longrepr):
+        report.outcome = "failed"  # SHMTRANSPORT_REQUIRE_EXTRAS: the environment is incomplete
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    if REQUIRE_EXTRAS and report.skipped and "could not import" in str(report.longrepr):
+        report.outcome = "failed"
+    return report
 
 
 def pytest_configure(config):

@@ -2,11 +2,15 @@
 clear line (exit 2) for every mistake on the command line. Each call is a real process."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -44,8 +48,16 @@ def _listening_port() -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
+REMOTE_MISTAKES = {
+    "remote flag without --remote": (["--remote-advertise", "node-a"], "need --remote HOST:PORT"),
+    "remote not host:port": (["--remote", "7400"], "not HOST:PORT"),
+    "remote tls incomplete": (["--remote", "127.0.0.1:0", "--remote-tls-cert", "c.pem"], "needs all of"),
+    "remote secret too short": (["--remote", "127.0.0.1:0", "--remote-secret-file", "SECRET"], "at least 16"),
+}
+
+
 @pytest.mark.parametrize("mistake", ["arena 0", "size typo", "negative size", "socket path too long",
-                                     "metrics port in use", "unknown flag", "bad number"])
+                                     "metrics port in use", "unknown flag", "bad number", *REMOTE_MISTAKES])
 def test_a_command_line_mistake_is_one_line_and_exit_2(mistake, tmpdir_short, new_prefix):
     prefix = new_prefix()
     sock = os.path.join(tmpdir_short, "d.sock")
@@ -63,6 +75,12 @@ def test_a_command_line_mistake_is_one_line_and_exit_2(mistake, tmpdir_short, ne
     if mistake == "metrics port in use":
         busy, port = _listening_port()
         args = base + ["--arena-size", "4M", "--metrics-port", str(port)]
+    if mistake in REMOTE_MISTAKES:
+        secret_file = os.path.join(tmpdir_short, "secret")
+        with open(secret_file, "w") as f:
+            f.write("short\n")
+        flags = [secret_file if flag == "SECRET" else flag for flag in REMOTE_MISTAKES[mistake][0]]
+        args = base + ["--arena-size", "4M", *flags]
     try:
         result = run_cli(*args)
     finally:
@@ -73,7 +91,8 @@ def test_a_command_line_mistake_is_one_line_and_exit_2(mistake, tmpdir_short, ne
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     expected = {"arena 0": "4 KiB page", "size typo": "not a size", "negative size": "negative",
                 "socket path too long": "at most 107", "metrics port in use": "cannot start",
-                "unknown flag": "--colour", "bad number": "negative"}[mistake]
+                "unknown flag": "--colour", "bad number": "negative",
+                **{name: words for name, (_, words) in REMOTE_MISTAKES.items()}}[mistake]
     assert expected in lines[0]
     assert segments_of(prefix) == []  # a failed start leaves nothing behind
 
@@ -154,3 +173,50 @@ def test_health_is_one_line_ok_with_a_daemon_and_unhealthy_without(make_daemon, 
     missing = run_cli("health", "--socket", os.path.join(tmpdir_short, "nobody.sock"), "--timeout-s", "2")
     assert missing.returncode == 1 and missing.stdout.startswith("unhealthy: ")
     assert len(missing.stdout.splitlines()) == 1 and not missing.stderr
+
+
+def _line_with(stream, words: str) -> str:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], deadline - time.monotonic())
+        line = stream.readline() if ready else ""
+        if words in line or not ready or not line:
+            return line
+    return ""
+
+
+@pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl")),
+                    reason="could not import NIXL (the nixl extra)")
+def test_daemon_flags_start_the_remote_tier_with_a_secret_from_a_file(tmpdir_short, new_prefix):
+    import grpc
+
+    from shmtransport.remote.auth import SECRET_METADATA_KEY
+    from shmtransport.v1 import remote_pb2 as rpb
+    from shmtransport.v1 import remote_pb2_grpc as rpb_grpc
+
+    prefix = new_prefix()
+    secret, secret_file = "s3cret-" + os.urandom(12).hex(), os.path.join(tmpdir_short, "secret")
+    with open(secret_file, "w") as f:
+        f.write(secret + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "shmtransport", "daemon", "--socket",
+                             os.path.join(tmpdir_short, "d.sock"), "--name-prefix", prefix, "--arena-size", "8M",
+                             "--remote", "127.0.0.1:0", "--remote-secret-file", secret_file],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = _line_with(proc.stdout, "shmtransportd ready")  # NIXL logs its own lines on stdout first
+        endpoint = line.split("remote ", 1)[1].split()[0]
+        assert endpoint.startswith("127.0.0.1:") and "(shared secret)" in line
+        with grpc.insecure_channel(endpoint) as channel:
+            stub = rpb_grpc.RemoteStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Describe(rpb.DescribeRequest(), timeout=TIMEOUT_S)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            described = stub.Describe(rpb.DescribeRequest(), metadata=((SECRET_METADATA_KEY, secret),),
+                                      timeout=TIMEOUT_S)
+            assert described.endpoint == endpoint
+        assert secret not in " ".join(proc.args)  # never on the command line, where ps shows it
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, err
+    assert segments_of(prefix) == []

@@ -14,7 +14,8 @@ from shmtransport import _purepy as P
 if os.environ.get("SHMTRANSPORT_BACKEND", "auto").strip().lower() == "c":
     from shmtransport import _native as N  # under SHMTRANSPORT_BACKEND=c a missing extension fails
 else:
-    N = pytest.importorskip("shmtransport._native", reason="C extension not built")
+    N = pytest.importorskip("shmtransport._native", reason="could not import the C kernels: not built",
+                            exc_type=ImportError)
 
 C = P.TREE_CHUNK_NBYTES
 EDGE_LENGTHS = [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 1000]

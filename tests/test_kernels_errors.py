@@ -12,7 +12,8 @@ from shmtransport import _purepy
 if os.environ.get("SHMTRANSPORT_BACKEND", "auto").strip().lower() == "c":
     from shmtransport import _native
 else:
-    _native = pytest.importorskip("shmtransport._native", reason="C extension not built")
+    _native = pytest.importorskip("shmtransport._native", reason="could not import the C kernels: not built",
+                                  exc_type=ImportError)
 
 BACKENDS = [pytest.param(_native, id="c"), pytest.param(_purepy, id="python")]
 

@@ -69,6 +69,39 @@ def _check_socket_paths(config: DaemonConfig) -> str | None:
     return None
 
 
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 0.0.0.0:7400; port 0: any free one)")
+    return host.strip("[]"), int(port)
+
+
+def _remote_extensions(args: argparse.Namespace) -> list:
+    """The remote tier (NIXL) when ``--remote`` is given; its options are checked before the
+    daemon starts (the secret is read from a file or the environment, never from argv, which
+    every local user can read in ``ps``)."""
+    tier_flags = ("remote_advertise", "remote_secret_file", "remote_tls_cert", "remote_tls_key", "remote_tls_ca")
+    if args.remote is None:
+        given = [f"--{name.replace('_', '-')}" for name in tier_flags if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --remote HOST:PORT")
+        return []
+    from .remote import RemoteTLS, remote_extension
+
+    secret = os.environ.get("SHMTRANSPORT_REMOTE_SECRET")
+    if args.remote_secret_file is not None:
+        with open(args.remote_secret_file, encoding="ascii") as f:
+            secret = f.read().strip()
+    tls_files = (args.remote_tls_cert, args.remote_tls_key, args.remote_tls_ca)
+    tls = None
+    if any(path is not None for path in tls_files):
+        if None in tls_files:
+            raise ValueError("mutual TLS needs all of --remote-tls-cert, --remote-tls-key and --remote-tls-ca")
+        tls = RemoteTLS.from_files(*tls_files)
+    host, port = args.remote
+    return [remote_extension(host, port, args.remote_advertise, secret=secret, tls=tls)]
+
+
 def _run_daemon(args: argparse.Namespace) -> int:
     from .daemon import Daemon
 
@@ -94,16 +127,23 @@ def _run_daemon(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"shmtransportd: {problem}", file=sys.stderr)
         return 2
+    try:
+        extensions = _remote_extensions(args)
+    except (ShmTransportError, ValueError, OSError) as exc:
+        print(f"shmtransportd: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    daemon = Daemon(config)
+    daemon = Daemon(config, extensions=extensions)
     try:
         daemon.start()
     except (ShmTransportError, ValueError, OSError) as exc:  # a failed start undid itself: say why, once
         print(f"shmtransportd: cannot start: {exc}", file=sys.stderr)
         return 2
-    print(f"shmtransportd ready: socket {daemon.socket_path}", flush=True)
+    remote = getattr(daemon, "remote", None)
+    where = f", remote {remote.endpoint} ({remote.auth_mode})" if remote is not None else ""
+    print(f"shmtransportd ready: socket {daemon.socket_path}{where}", flush=True)
     try:
         stop.wait()
     finally:
@@ -299,6 +339,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:PORT")
     d.add_argument("--metrics-address", default=None, metavar="HOST:PORT|unix:PATH",
                    help="serve Prometheus metrics on this TCP address or Unix socket (0600) instead")
+    r = d.add_argument_group("remote tier", "serve this node's objects to readers on other hosts over NIXL "
+                                            "(needs the nixl extra)")
+    r.add_argument("--remote", type=_host_port, default=None, metavar="HOST:PORT",
+                   help="enable the remote tier: the TCP address remote readers dial (port 0: any free one)")
+    r.add_argument("--remote-advertise", default=None, metavar="HOST",
+                   help="the host written into remote descriptors (default: the --remote host)")
+    r.add_argument("--remote-secret-file", default=None, metavar="PATH",
+                   help="a file holding the shared secret every remote call must carry "
+                        "(default: $SHMTRANSPORT_REMOTE_SECRET; neither: unauthenticated, with a warning)")
+    r.add_argument("--remote-tls-cert", default=None, metavar="PEM", help="this daemon's certificate chain")
+    r.add_argument("--remote-tls-key", default=None, metavar="PEM", help="its private key")
+    r.add_argument("--remote-tls-ca", default=None, metavar="PEM",
+                   help="the CA that signs the remote readers' client certificates (mutual TLS)")
     d.add_argument("--log-level", default="INFO")
     d.set_defaults(func=_run_daemon)
 

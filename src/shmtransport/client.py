@@ -787,6 +787,8 @@ class _Client:
             _log.warning("closing %r after %s failed: %s", self, exc_type.__name__, close_error)
 
     def __repr__(self) -> str:
+        if not hasattr(self, "_conn"):
+            return f"{type(self).__name__}(not connected)"
         state = "closed" if self._closed else f"instance={self.instance_id}"
         return f"{type(self).__name__}({self._conn.socket_path!r}, {state})"
 
@@ -815,7 +817,7 @@ class Producer(_Client):
         self._pending_commits: list[grpc.Future] = []
         self.alloc_wait_s = alloc_wait_s
         self.copy_threads = copy_threads
-        super().__init__(socket_path, timeout_s, release_delay_s, daemon_uid=daemon_uid)
+        super().__init__(socket_path, timeout_s=timeout_s, release_delay_s=release_delay_s, daemon_uid=daemon_uid)
 
     def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
              dedicated: bool = False) -> Loan:

@@ -97,10 +97,11 @@ class RemoteExtension:
                   self.agent_name, self.nbytes >> 20, self.endpoint, self.auth_mode)
         if self._secret is None and self._tls is None:
             _log.warning("remote endpoint %s is UNAUTHENTICATED: any host that reaches it can attach and read "
-                         "the arena; pass secret= and/or tls= to remote_extension()", self.endpoint)
+                         "the arena; pass secret= and/or tls= to remote_extension() (shmtransport daemon: "
+                         "--remote-secret-file, --remote-tls-*)", self.endpoint)
         elif self._tls is None:
             _log.warning("remote endpoint %s checks a shared secret without TLS: the secret crosses the "
-                         "network in clear text; add tls= to remote_extension()", self.endpoint)
+                         "network in clear text; add tls= to remote_extension() (--remote-tls-*)", self.endpoint)
         return self.stop
 
     def stop(self) -> None:
