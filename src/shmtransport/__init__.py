@@ -4,15 +4,10 @@ The public API is what this package exports (``__all__``), the ``shmtransport`` 
 pytest plugin's fixtures and ``shmtransport.testing``; the submodules behind them are internal and
 may change between releases.
 
-    from shmtransport import Producer, Consumer, Handle
-
-    with Producer() as producer:                  # the frontend: one copy, digest fused
-        handle = producer.put(pixel_values, digest=True)
-    wire = handle.to_bytes()                      # what travels in the request
-    with Consumer() as consumer:                  # the worker: a zero-copy read-only view
-        with consumer.acquire(Handle.from_bytes(wire)) as lease:
-            lease.verify()
-            model(lease.tensor())
+A frontend's ``Producer.put(array, digest=True)`` returns a ``Handle``; its ``to_bytes()`` travel
+in the request; the worker's ``Consumer.acquire(Handle.from_bytes(data))`` returns a ``Lease``
+whose ``array`` and ``tensor()`` are zero-copy views. The README has the complete two-process
+example (it runs as a test).
 """
 from __future__ import annotations
 
