@@ -2,6 +2,7 @@
 clear line (exit 2) for every mistake on the command line. Each call is a real process."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -17,7 +18,7 @@ import pytest
 
 from shmtransport import BACKEND, __version__
 from shmtransport.client import Consumer, Producer
-from shmtransport.testing import remove_tree, segments_of, short_tmpdir, wait_until
+from shmtransport.testing import BlockingChild, remove_tree, segments_of, short_tmpdir, wait_until
 
 TIMEOUT_S = 60
 MiB = 1 << 20
@@ -220,3 +221,42 @@ def test_daemon_flags_start_the_remote_tier_with_a_secret_from_a_file(tmpdir_sho
         _, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, err
     assert segments_of(prefix) == []
+
+
+def _hold_a_lease(conn, socket_path: str, handle_bytes: bytes) -> None:
+    from shmtransport import Consumer, Handle
+
+    consumer = Consumer(socket_path, timeout_s=TIMEOUT_S)
+    lease = consumer.acquire(Handle.from_bytes(handle_bytes))
+    conn.send(int(lease.handle.nbytes))
+    conn.recv()  # killed here
+
+
+@pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
+def test_stat_counts_only_a_kill_as_a_death_and_what_a_close_left_as_released_at_close(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots)
+    sock = daemon.socket_path
+    with Producer(sock, timeout_s=TIMEOUT_S) as producer:
+        killed = producer.put(np.ones(2 * MiB, np.uint8))
+        with Consumer(sock, timeout_s=TIMEOUT_S) as consumer:  # an ordinary close: not a death
+            consumer.acquire(killed).release()
+        left_open = Producer(sock, timeout_s=TIMEOUT_S)
+        loan = left_open.loan(MiB)  # never committed nor released: the close has to let it go
+        left_open.close()
+        with pytest.warns(ResourceWarning, match="never released"):
+            del loan
+            gc.collect()
+        with BlockingChild(_hold_a_lease, sock, killed.to_bytes()) as child:
+            assert child.recv() == 2 * MiB
+            producer.release(killed, wait=True)  # the child's lease is the last reference
+            child.kill()
+            wait_until(lambda: daemon.stat().live_objects == 0, what="the dead child's lease reclaimed")
+    stat = _cli_json("stat", "--socket", sock)
+    assert (int(stat["reclaimed_death_leases"]), int(stat["reclaimed_death_nbytes"])) == (1, 2 * MiB)
+    assert int(stat["sessions_closed"]) == 3  # both producers and the consumer; the child died
+    # A table client releases its own objects in shared memory as it closes; through the daemon,
+    # the loan is the daemon's to free at the close.
+    released = (0, 0) if object_slots is None else (0, MiB)
+    assert (int(stat["released_at_close_leases"]), int(stat["released_at_close_nbytes"])) == released
+    text = run_cli("stat", "--socket", sock).stdout
+    assert "reclaimed (death) 1 leases" in text and "(4 sessions closed)" in text  # the CLI closed one too

@@ -200,6 +200,54 @@ def test_a_loan_waits_for_space_freed_by_another_process_back_pressure_not_failu
 
 
 @ON_BOTH_PATHS
+def test_a_single_producer_that_filled_the_arena_waits_for_its_own_releases(make_daemon, object_slots):
+    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
+        handles = []
+        with pytest.raises(ResourceExhausted):
+            while len(handles) < 16:
+                handles.append(producer.put(np.zeros(MiB, np.uint8)))
+        assert handles
+        producer.alloc_wait_s = 5.0
+        # Another thread of the same producer releases one while the put below waits; before the
+        # fix the waiting placement held the client's lock, so that release came only after the
+        # put had given up.
+        releaser = threading.Timer(0.2, producer.release, (handles.pop(),))
+        releaser.start()
+        start = time.monotonic()
+        handles.append(producer.put(np.zeros(MiB, np.uint8)))
+        assert time.monotonic() - start < 4.0
+        releaser.join(TIMEOUT_S)
+        producer.release(handles, wait=True)
+
+
+@ON_BOTH_PATHS
+@pytest.mark.parametrize("dedicated", [False, True], ids=["arena", "dedicated"])
+def test_an_object_larger_than_the_arena_is_refused_at_once_naming_the_arena_not_a_quota(
+        make_daemon, object_slots, dedicated):
+    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=5) as producer:
+        start = time.monotonic()
+        with pytest.raises(ResourceExhausted) as info:
+            producer.put(np.zeros(8 * MiB, np.uint8), dedicated=dedicated)
+        assert time.monotonic() - start < 4.0  # it can never fit: no back-pressure wait
+        message = str(info.value)
+        assert "quota exceeded" not in message and "arena" in message and "--arena-size" in message, message
+        del info
+
+
+@ON_BOTH_PATHS
+def test_a_configured_quota_is_named_as_the_quota(make_daemon, object_slots):
+    daemon = make_daemon(arena_nbytes=4 * MiB, quota_nbytes=2 * MiB, object_slots=object_slots)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
+        with pytest.raises(ResourceExhausted) as info:
+            producer.put(np.zeros(3 * MiB, np.uint8))
+        assert info.value.reason is Reason.QUOTA_EXCEEDED
+        assert "quota 2097152 (--quota-bytes)" in str(info.value)
+        del info
+
+
+@ON_BOTH_PATHS
 def test_the_tenant_byte_quota_refuses_every_client_of_the_tenant_and_recovers(make_daemon, object_slots):
     daemon = make_daemon(arena_nbytes=4 * MiB, quota_nbytes=MiB, object_slots=object_slots)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as a, \

@@ -65,7 +65,8 @@ class Allocator:
         size = _round_up(nbytes, CACHE_LINE)
         if size > self.nbytes:
             raise ResourceExhausted(
-                f"nbytes={nbytes} exceeds the arena ({self.nbytes} bytes)", Reason.ARENA_FULL
+                f"{nbytes} bytes can never fit: the arena has {self.nbytes} (shmtransport daemon --arena-size, "
+                "or a dedicated segment: loan(..., dedicated=True))", Reason.ARENA_FULL
             )
         index = bisect.bisect_left(self._by_size, (size, -1))
         while index < len(self._by_size):
@@ -76,7 +77,8 @@ class Allocator:
                 return start
             index += 1  # alignment padding did not fit: try the next larger extent
         raise ResourceExhausted(
-            f"no free extent of {size} bytes (free {self.free_nbytes}, largest {self.largest_free_nbytes})",
+            f"the arena is full: no free extent of {size} bytes (free {self.free_nbytes} of {self.nbytes}, largest "
+            f"extent {self.largest_free_nbytes}); the bytes come back as consumers and producers release",
             Reason.ARENA_FULL,
         )
 

@@ -185,7 +185,10 @@ def _run_stat(args: argparse.Namespace) -> int:
           f"{s.handoff_objects} waiting for a first acquire)")
     print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")
     print(f"reclaimed (TTL) {s.reclaimed_ttl_leases} leases, {s.reclaimed_ttl_nbytes} bytes")
-    print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_nbytes} bytes")
+    print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_nbytes} bytes "
+          "(sessions that ended without closing)")
+    print(f"released at close {s.released_at_close_leases} leases, {s.released_at_close_nbytes} bytes "
+          f"({s.sessions_closed} sessions closed)")
     print(f"reclaimed (hand-off window) {s.reclaimed_handoff_objects} objects, {s.reclaimed_handoff_nbytes} bytes")
     print(f"quarantined     {s.quarantined_leases} expired leases of live clients, {s.quarantined_nbytes} bytes "
           f"({s.quarantined_leases_total} ever)")

@@ -515,6 +515,7 @@ class _Client:
         self._conn = _Connection(socket_path or default_socket_path(), timeout_s, self._writable, daemon_uid)
         self._release_delay_s = release_delay_s
         self._lock = threading.RLock()
+        self._own_release = threading.Condition(self._lock)  # a producer's placement waits on its releases
         self._flush_lock = threading.Lock()  # one flush at a time: flush() returns when all landed
         self._deferred: list[_View] = []  # released by the caller, views still alive
         self._queued_handles: list[pb.Handle] = []
@@ -581,7 +582,7 @@ class _Client:
             info = hello["object_table"]
             self._tables = TableClient(table, self._conn.holder_bit, int(hello["arena_nbytes"]),
                                        int(info["handoff_window_ms"]), int(info["max_hold_ms"]),
-                                       self._grant)
+                                       self._grant, self._own_release.wait)
         return self._tables
 
     def _grant(self, nbytes: int, nslots: int, give_back: list[int], wait_ms: int, retry: bool) -> pb.GrantResponse:
@@ -679,6 +680,7 @@ class _Client:
             tables, placed = view._placed
             if self._live_table(tables) and placed.held:
                 tables.release_own(placed, cancel_handoff=True)
+                self._own_release.notify_all()
         else:
             self._queued_handles.append(view.handle.shm)
 
@@ -749,7 +751,9 @@ class _Client:
             self._schedule_flush()
 
     def close(self) -> None:
-        """Send what is queued (deferred ones too) and end the session; the daemon reclaims the rest."""
+        """Send what is queued (deferred ones too) and end the session; the daemon releases the
+        rest (counted as released at close, not as reclaimed from a death). Committed objects
+        nobody acquired yet live on (hand-off). Idempotent."""
         if self._closed:
             return
         try:
@@ -764,6 +768,8 @@ class _Client:
                     give_back = self._tables.give_back_all()
             if give_back:  # at once, so the daemon's books are exact when close returns
                 self._conn.call("Grant", pb.GrantRequest(give_back=give_back), reconnect=False)
+            if self._conn.alive():
+                self._conn.call("Close", pb.CloseRequest(), reconnect=False)
         except Unavailable:
             pass
         finally:
@@ -1053,6 +1059,7 @@ class Producer(_Client):
                     raise HandleError(f"{h!r} does not match the object in its slot "
                                       f"([{placed.offset}, +{placed.nbytes}))", Reason.OUT_OF_BOUNDS)
                 tables.release_own(placed, cancel_handoff=True)
+            self._own_release.notify_all()
             self._schedule_flush()  # grants to give back once their objects die
         return rest
 

@@ -50,6 +50,9 @@ _COUNTERS = {
     "reclaimed_handoff_nbytes": "Bytes of the objects reclaimed at the end of their hand-off window",
     "parked_grants_taken": "Grants idle producers parked that the daemon took back for others",
     "sessions_total": "Client sessions opened",
+    "sessions_closed": "Client sessions ended by the client (Close); the others ended by a death",
+    "released_at_close_leases": "Leases still held by clients that closed their session, released then",
+    "released_at_close_nbytes": "Bytes freed when clients closed their session",
 }
 UNIX_PREFIX = "unix:"
 _PROBE_TIMEOUT_S = 1.0

@@ -188,24 +188,30 @@ class Registry:
     def live_sessions(self) -> int:
         return len(self._sessions)
 
-    def close_session(self, session_id: str) -> None:
-        """The client is gone (its session socket closed): drop everything it held."""
+    def close_session(self, session_id: str, closed_by_client: bool = False) -> None:
+        """The session ended: drop everything it held (committed objects keep their hand-off).
+        ``closed_by_client``: the client said so (Close), and what it held counts as released at
+        close; otherwise its socket closed without a word, and it counts as reclaimed from a death."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 return
+            leases = nbytes = 0
             for lease_id in list(session.leases):
                 lease = self._leases.get(lease_id)
                 if lease is not None:
-                    self.counters["reclaimed_death_leases"] += 1
-                    self.counters["reclaimed_death_nbytes"] += self._drop_lease(lease, session)
+                    leases += 1
+                    nbytes += self._drop_lease(lease, session)
             for offset in list(session.producer_refs):
-                self.counters["reclaimed_death_refs"] += 1
-                self.counters["reclaimed_death_nbytes"] += self._drop_producer_ref(self._objects[offset], session)
+                nbytes += self._drop_producer_ref(self._objects[offset], session)
             if self.objects is not None:
-                held, nbytes = self.objects.close_session(session_id, self._free_granted)
-                self.counters["reclaimed_death_leases"] += held
-                self.counters["reclaimed_death_nbytes"] += nbytes
+                held, freed = self.objects.close_session(session_id, self._free_granted)
+                leases, nbytes = leases + held, nbytes + freed
+            kind = "released_at_close" if closed_by_client else "reclaimed_death"
+            self.counters[f"{kind}_leases"] += leases
+            self.counters[f"{kind}_nbytes"] += nbytes
+            if closed_by_client:
+                self.counters["sessions_closed"] += 1
 
     # -- grants: space producers place objects in themselves (the object table) ------------------
     def grant(self, session_id: str, nbytes: int, nslots: int, wait_s: float = 0.0,
@@ -356,12 +362,15 @@ class Registry:
         return self.allocator.used_nbytes + self._dedicated_nbytes
 
     def _check_quota(self, total: int) -> None:
-        if self.used_nbytes + total > self.quota_nbytes:
+        if self.used_nbytes + total <= self.quota_nbytes:
+            return
+        held = f"the tenant holds {self.used_nbytes} bytes (arena and dedicated segments) and asks {total} more"
+        if self.limits.quota_nbytes is None:
             raise ResourceExhausted(
-                f"tenant quota exceeded: the tenant holds {self.used_nbytes} bytes (arena and dedicated "
-                f"segments), asks {total} more, quota {self.quota_nbytes}",
-                Reason.QUOTA_EXCEEDED,
-            )
+                f"{held}: more than the {self.quota_nbytes} bytes of its arena, which bound a tenant's bytes when "
+                "no quota is set (shmtransport daemon --arena-size, or --quota-bytes)", Reason.QUOTA_EXCEEDED)
+        raise ResourceExhausted(f"tenant quota exceeded: {held}, quota {self.quota_nbytes} (--quota-bytes)",
+                                Reason.QUOTA_EXCEEDED)
 
     def _sizes(self, sizes: Sequence[int]) -> list[int]:
         """Loan sizes, their count checked before anything is expanded."""
@@ -712,6 +721,9 @@ class Registry:
                 reclaimed_death_leases=c["reclaimed_death_leases"],
                 allocation_failures=c["allocation_failures"],
                 sessions_total=c["sessions_total"],
+                sessions_closed=c["sessions_closed"],
+                released_at_close_leases=c["released_at_close_leases"],
+                released_at_close_nbytes=c["released_at_close_nbytes"],
             )
 
     # -- internals (lock held) -------------------------------------------------------------------

@@ -243,6 +243,12 @@ class _Servicer(pb_grpc.DaemonServicer):
         _, tenant = self._session(context)
         return tenant.registry.list_objects(request.limit)
 
+    @_typed_errors
+    def Close(self, request, context):
+        session_id, tenant = self._session(context)
+        tenant.registry.close_session(session_id, closed_by_client=True)  # the socket's EOF then finds none
+        return pb.CloseResponse()
+
 
 class Daemon:
     """The node-local daemon; embeddable (``with Daemon(config): ...``) or run by the CLI."""

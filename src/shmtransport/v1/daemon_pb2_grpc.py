@@ -74,6 +74,11 @@ class DaemonStub:
                 request_serializer=shmtransport_dot_v1_dot_daemon__pb2.ListRequest.SerializeToString,
                 response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.ListResponse.FromString,
                 _registered_method=True)
+        self.Close = channel.unary_unary(
+                '/shmtransport.v1.Daemon/Close',
+                request_serializer=shmtransport_dot_v1_dot_daemon__pb2.CloseRequest.SerializeToString,
+                response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.CloseResponse.FromString,
+                _registered_method=True)
 
 
 class DaemonServicer:
@@ -127,6 +132,12 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Close(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.ListRequest.FromString,
                     response_serializer=shmtransport_dot_v1_dot_daemon__pb2.ListResponse.SerializeToString,
+            ),
+            'Close': grpc.unary_unary_rpc_method_handler(
+                    servicer.Close,
+                    request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.CloseRequest.FromString,
+                    response_serializer=shmtransport_dot_v1_dot_daemon__pb2.CloseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class Daemon:
             '/shmtransport.v1.Daemon/List',
             shmtransport_dot_v1_dot_daemon__pb2.ListRequest.SerializeToString,
             shmtransport_dot_v1_dot_daemon__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Close(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shmtransport.v1.Daemon/Close',
+            shmtransport_dot_v1_dot_daemon__pb2.CloseRequest.SerializeToString,
+            shmtransport_dot_v1_dot_daemon__pb2.CloseResponse.FromString,
             options,
             channel_credentials,
             insecure,
