@@ -2,10 +2,11 @@
 loaded through its ``pytest11`` entry point; its helpers are in ``shmtransport.testing``).
 
 - autouse ``no_leaks``: the plugin's ``shm_leak_check`` on every test: a test fails if it leaves a
-  new /dev/shm entry of this run's daemons (``testing.RUN_PREFIX``; other new entries only warn:
-  /dev/shm is shared with other people), an open fd (after up to ~2 s of settling: gRPC closes
-  channels asynchronously), a live child process or a live lease on a daemon fixture. Opt out per
-  test with ``@pytest.mark.allow_leaks``.
+  new /dev/shm entry of its own (named with this process's daemons' prefixes, or opened, mapped or
+  still held by this process or its children; other new entries are only noted: /dev/shm is
+  shared with other people), an open fd (after up to ~2 s of settling: gRPC closes channels
+  asynchronously), a live child process or a live lease on a daemon fixture. Opt out per test with
+  ``@pytest.mark.allow_leaks``.
 - ``make_daemon(**overrides)``: the plugin's ``shm_make_daemon`` (short socket path, unique name
   prefix, 64 MiB arena unless overridden or ``--shm-arena-size``), plus this suite's rule that at
   teardown the daemon's stat shows no live objects and no live leases (opt out with
@@ -108,12 +109,6 @@ def _warm_up_process_state():
     gc.freeze()
     yield
     gc.unfreeze()  # let the interpreter's exit tear them down as usual
-
-
-@pytest.fixture
-def shm_owned_prefixes():
-    """Only this run's daemons' segments fail a test; other new /dev/shm entries warn."""
-    return (testing.RUN_PREFIX,)
 
 
 @pytest.fixture(autouse=True)

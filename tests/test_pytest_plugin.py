@@ -1,6 +1,7 @@
 """The pytest plugin (``shmtransport.pytest_plugin``) on sample downstream test files, each run in a
-fresh pytest subprocess: fixtures work, leaks fail the leaking test and are listed, the options are
-honoured, and the plugin does nothing for a suite that uses none of it."""
+fresh pytest subprocess: fixtures work, leaks fail the leaking test and are listed (leases and
+loans with their call sites), the options are honoured, every fixture is documented, and the
+plugin does nothing for a suite that uses none of it. Under xdist: test_pytest_plugin_xdist.py."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import secrets
 
 import pytest
 
-from shmtransport import objtable
+from shmtransport import objtable, pytest_plugin
 from shmtransport.testing import SHM_DIR, remove_tree
 
 pytest_plugins = ["pytester"]
@@ -27,12 +28,13 @@ def record(daemon):
 SAMPLE_FIXTURES = '''
 import os
 import sys
+from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
 
 from shmtransport.client import Producer
-from shmtransport.testing import RUN_PREFIX
+from shmtransport.testing import BlockingChild
 ''' + RECORD_PREFIX + '''
 LEAK_NAME = "{leak_name}"
 _kept = []  # what the leaking tests hold on to until the end of the run
@@ -46,10 +48,10 @@ def child_fails():
     raise ValueError("boom in the child")
 
 
-@pytest.fixture
-def shm_owned_prefixes():
-    # /dev/shm is shared with other processes on this machine: only ours fail a test
-    return (RUN_PREFIX, LEAK_NAME)
+def child_holds_a_segment(conn, name):
+    segment = shared_memory.SharedMemory(name=name, create=True, size=4096)  # mapped until killed
+    conn.send(segment.name)
+    conn.recv()
 
 
 def test_round_trip_through_the_fixture_daemon(shm_producer, shm_consumer, shm_daemon):
@@ -99,9 +101,30 @@ def test_leaks_an_fd(shm_leak_check):
 
 
 @pytest.mark.shm_leak_check
+def test_leaves_a_child_holding_a_segment():
+    child = BlockingChild(child_holds_a_segment, LEAK_NAME + "child")
+    child.recv(timeout_s=30)
+    _kept.append(child)
+
+
+@pytest.mark.shm_leak_check
 def test_leaks_a_lease(shm_producer, shm_consumer, shm_daemon):
     record(shm_daemon)
-    _kept.append(shm_consumer.acquire(shm_producer.put(np.arange(100))))
+    _kept.append(shm_consumer.acquire(shm_producer.put(np.arange(100))))  # LEASE
+
+
+@pytest.mark.shm_leak_check
+def test_keeps_a_view_of_a_released_lease(shm_producer, shm_consumer, shm_daemon):
+    lease = shm_consumer.acquire(shm_producer.put(np.arange(100)))  # VIEW
+    _kept.append(lease.array)  # the daemon keeps the lease while a view of its bytes lives
+    lease.release()
+
+
+@pytest.mark.shm_leak_check
+def test_leaks_a_loan_on_an_unclosed_producer(shm_daemon):
+    record(shm_daemon)
+    producer = Producer(shm_daemon.socket_path, timeout_s=10)
+    _kept.append((producer, producer.loan(100)))  # LOAN
 '''
 
 SAMPLE_HANDOFF = '''
@@ -177,6 +200,11 @@ def leftovers(prefixes: list[str]) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(tuple(p + "-" for p in prefixes)))
 
 
+def line_of(path, marker: str) -> int:
+    """The line of ``path`` that holds ``marker`` (makepyfile strips the source's leading lines)."""
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if marker in line)
+
+
 def teardown_errors(out: str) -> dict[str, str]:
     """Test name -> the text of its "ERROR at teardown" section in a pytest run's output."""
     return dict(re.findall(r"_+ ERROR at teardown of (\w+) _+\n(.*?)(?=\n_{3,} |\n=+ )", out, re.S))
@@ -187,24 +215,40 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 
 def test_fixtures_round_trip_and_each_leak_fails_its_test_with_the_leak_listed(pytester):
-    leak_name = "shmtpyleak" + secrets.token_hex(4)
-    pytester.makepyfile(test_sample=SAMPLE_FIXTURES.replace("{leak_name}", leak_name))
+    leak_name = "sampleleak" + secrets.token_hex(4)  # no prefix of the run: the sample opened it
+    sample = pytester.makepyfile(test_sample=SAMPLE_FIXTURES.replace("{leak_name}", leak_name))
     try:
         result = run(pytester, "--shm-arena-size=8M")
     finally:
-        leaked = os.path.join(SHM_DIR, leak_name)
-        if os.path.exists(leaked):
-            os.unlink(leaked)
+        for leaked in (leak_name, leak_name + "child"):
+            if os.path.exists(os.path.join(SHM_DIR, leaked)):
+                os.unlink(os.path.join(SHM_DIR, leaked))
     out = result.stdout.str()
-    result.assert_outcomes(passed=8, errors=3)
+    result.assert_outcomes(passed=11, errors=6)
     errors = teardown_errors(out)
-    assert set(errors) == {"test_leaks_a_dev_shm_file", "test_leaks_an_fd", "test_leaks_a_lease"}, out
+    assert set(errors) == {"test_leaks_a_dev_shm_file", "test_leaks_an_fd", "test_leaves_a_child_holding_a_segment",
+                           "test_leaks_a_lease", "test_keeps_a_view_of_a_released_lease",
+                           "test_leaks_a_loan_on_an_unclosed_producer"}, out
     assert f"/dev/shm entries left behind: /dev/shm/{leak_name}" in errors["test_leaks_a_dev_shm_file"], out
     assert re.search(rf"fds left open: \d+ -> /dev/shm/{leak_name}", errors["test_leaks_a_dev_shm_file"]), out
     assert re.search(r"fds left open: \d+ -> pipe:\[\d+\], \d+ -> pipe:\[\d+\]", errors["test_leaks_an_fd"]), out
+    child_block = errors["test_leaves_a_child_holding_a_segment"]  # the child made it, and holds it
+    assert "child processes still alive: [<SpawnProcess" in child_block, out
+    assert f"/dev/shm entries left behind: /dev/shm/{leak_name}child" in child_block, out
     lease_block = errors["test_leaks_a_lease"]
     assert "live leases left at the end of the test (1 new)" in lease_block, out
     assert re.search(r"client \w+ \(this process\): 1 lease\(s\)", lease_block), out
+    # Each leaked lease and loan with the line of the test that took it.
+    assert re.search(rf"Lease\(id=\d+, .*, live\) acquired at {re.escape(str(sample))}:{line_of(sample, '# LEASE')} "
+                     r"in test_leaks_a_lease$", lease_block, re.M), out
+    assert re.search(rf"Lease\(.*, released\) acquired at {re.escape(str(sample))}:{line_of(sample, '# VIEW')} in "
+                     r"test_keeps_a_view_of_a_released_lease \(released, but a view of its bytes is still alive\)$",
+                     errors["test_keeps_a_view_of_a_released_lease"], re.M), out
+    loan_block = errors["test_leaks_a_loan_on_an_unclosed_producer"]
+    assert "still live after the client fixtures closed" in loan_block, out
+    assert re.search(rf"Loan\(.*, live\) loaned at {re.escape(str(sample))}:{line_of(sample, '# LOAN')} "
+                     r"in test_leaks_a_loan_on_an_unclosed_producer$", loan_block, re.M), out
+    assert "acquired at" not in errors["test_leaks_a_dev_shm_file"] + loan_block  # only a test's own views
     assert not leftovers(recorded_prefixes(pytester))  # every fixture daemon was stopped and unlinked
 
 
@@ -257,6 +301,22 @@ def test_plugin_is_inert_for_a_suite_that_uses_none_of_its_fixtures(pytester):
     result = run(pytester, "--trace-config")
     result.assert_outcomes(passed=2)
     assert re.search(r"shmtransport.*pytest_plugin", result.stdout.str()), "plugin not registered by its entry point"
+
+
+def test_every_fixture_is_documented_in_pytest_fixtures(pytester):
+    """``pytest --fixtures`` shows a docstring for each fixture (loading the plugin by module name
+    too, where its entry point is installed), and the plugin's module docstring lists each one."""
+    result = run(pytester, "--fixtures", "-p", "shmtransport.pytest_plugin")
+    assert result.ret == 0, result.stderr.str()
+    out = result.stdout.str()
+    section = out.split("fixtures defined from shmtransport.pytest_plugin", 1)[1].split("\n---", 1)[0]
+    docs = dict(re.findall(r"^(\w+)(?: \[\w+ scope\])? -- \S+\n((?: {4}.*\n)+)", section, re.M))
+    assert set(docs) == {"shm_daemon", "shm_daemon_session", "shm_make_daemon", "shm_producer", "shm_consumer",
+                         "shm_leak_check", "shm_owned_prefixes", "shm_run_in_child"}, out
+    for name, doc in docs.items():
+        assert "no docstring available" not in doc, (name, out)
+        assert f"``{name}``" in pytest_plugin.__doc__, name
+    assert "call site" in docs["shm_leak_check"], out
 
 
 def test_bad_arena_size_is_a_usage_error(pytester):

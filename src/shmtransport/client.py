@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 import grpc
 import numpy as np
 
-from . import arena, objtable
+from . import _call_sites, arena, objtable
 from ._backend import kernels
 from .daemon.config import default_socket_path
 from .daemon.registry import MAX_BATCH
@@ -416,6 +416,8 @@ class Loan(_View):
         super().__init__(client, handle, memory)
         self._placed = placed
         self.committed = False
+        if _call_sites.enabled:  # a leak check is on: remember the caller for its report
+            _call_sites.record(self)
 
     def commit(self, *, digest: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
         """Seal the bytes and hand the object off; the handle names it to consumers. See
@@ -451,6 +453,8 @@ class Lease(_View):
         self.lease_id = lease_id
         self._table = table
         self._private: np.ndarray | None = None
+        if _call_sites.enabled:  # a leak check is on: remember the caller for its report
+            _call_sites.record(self)
 
     def tensor(self):
         """Torch tensor of the leased bytes on private pages of this lease (``arena.private_view``).

@@ -12,13 +12,18 @@ Fixtures
   ``shm_make_daemon``     factory ``(**DaemonConfig overrides) -> Daemon`` with the same teardown
   ``shm_producer``        a ``Producer`` connected to ``shm_daemon`` (closed at teardown)
   ``shm_consumer``        a ``Consumer`` connected to ``shm_daemon`` (closed at teardown)
-  ``shm_leak_check``      fail the test if it leaves new /dev/shm entries, open fds, live child
-                          processes, or live leases (object-table ones too) or objects on a daemon
-                          fixture; also applied by ``@pytest.mark.shm_leak_check``. The fixture value
-                          (``testing.LeakCheck``) has knobs (``check_fds = False``,
-                          ``ignore_shm(prefix)``, ...)
-  ``shm_owned_prefixes``  override to return a tuple of prefixes when /dev/shm is shared with other
-                          processes: only new entries with them fail the leak check, others warn
+  ``shm_leak_check``      fail the test if it leaves new /dev/shm entries of its own, open fds, live
+                          child processes, or live leases (object-table ones too) or objects on a
+                          daemon fixture, each lease and loan listed with the call site that took
+                          it; also applied by ``@pytest.mark.shm_leak_check``. Its own entries: this
+                          process's ``testing.RUN_PREFIX`` (one per xdist worker), its daemons'
+                          prefixes, what this process opened or mapped, what it or its children
+                          hold (``testing.LeakCheck`` has the exact rule); other processes' new
+                          entries are only noted (a "Captured shmtransport teardown" section). The
+                          fixture value (``testing.LeakCheck``) has knobs (``check_fds = False``,
+                          ``own_shm(prefix)``, ``ignore_shm(prefix)``, ...)
+  ``shm_owned_prefixes``  override to return more prefixes whose new entries are the test's own (a
+                          child's segments with its own naming); ``("",)`` counts every new entry
   ``shm_run_in_child``    ``testing.run_in_child``: a module-level function in a ``spawn`` child,
                           its result or its exception (with the child's traceback) sent back
 
@@ -31,7 +36,6 @@ Options
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import TYPE_CHECKING, Callable
 
 import pytest
@@ -41,6 +45,7 @@ from . import testing
 if TYPE_CHECKING:  # pragma: no cover
     from .daemon import Daemon
 
+_ENTRY_POINT = "shmtransport"  # this module's pytest11 entry point name
 _CLIENT_TIMEOUT_S = 10.0
 # Fixtures after which a leak check first warms up gRPC's and multiprocessing's process-wide state.
 _PROCESS_STATE_FIXTURES = frozenset(
@@ -56,6 +61,13 @@ _kept_key = pytest.StashKey[list]()  # config: (nodeid, socket path, segment nam
 
 
 # -- options, markers, hooks ---------------------------------------------------------------------
+def pytest_plugin_registered(plugin, plugin_name: str, manager: pytest.PytestPluginManager) -> None:
+    """Loaded by module name (``-p shmtransport.pytest_plugin``) before the entry points: block the
+    entry point's name, or pluggy refuses to register this module a second time under it."""
+    if plugin is sys.modules[__name__] and plugin_name != _ENTRY_POINT:
+        manager.set_blocked(_ENTRY_POINT)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("shmtransport", "shmtransport shared-memory fixtures")
     group.addoption(
@@ -169,7 +181,7 @@ def _finish_daemon(daemon: "Daemon", item: pytest.Item | None) -> None:
         if s.live_objects or s.live_leases:
             check.report("still live after the client fixtures closed (an unclosed client, or a committed object "
                          "nobody released or acquired: it outlives its producer for the hand-off window):\n"
-                         + testing._indent(testing.describe_daemon_state(daemon, s)))
+                         + testing._indent(testing.describe_daemon_state(daemon, s)) + check.describe_held(daemon))
     left = testing.stop_daemon(daemon)
     if left:
         pytest.fail(f"{daemon!r} left /dev/shm entries of its prefix after stop: {left}", pytrace=False)
@@ -182,22 +194,38 @@ def _start(config: pytest.Config, **overrides) -> "Daemon":
 
 # -- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture
-def shm_owned_prefixes() -> tuple[str, ...] | None:
-    """Which new /dev/shm entries ``shm_leak_check`` fails on: None (the default) for all of them.
-    Override with a tuple of prefixes when other processes create entries meanwhile; new entries
-    without those prefixes then only warn."""
-    return None
+def shm_owned_prefixes() -> tuple[str, ...]:
+    """More name prefixes whose new /dev/shm entries ``shm_leak_check`` counts as the test's own,
+    besides those it attributes itself (see ``testing.LeakCheck``): for entries a child process
+    makes under its own naming and lets go of before the end. Default: none. ``("",)`` counts
+    every new entry, whoever made it (for a machine nobody else uses)."""
+    return ()
 
 
 @pytest.fixture
 def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes) -> testing.LeakCheck:
+    """Fail the test at teardown if it leaves behind new /dev/shm entries of its own, open fds,
+    live child processes, or live leases, loans or objects on a daemon fixture; each lease and
+    loan still held is listed with the call site (file:line in function) that took it.
+
+    Its own /dev/shm entries: names with this process's ``testing.RUN_PREFIX`` (one per xdist
+    worker, on every daemon fixture) or a daemon fixture's prefix or a ``shm_owned_prefixes``
+    one, and entries this process opened or mapped or that it or its children hold at the end
+    (``testing.LeakCheck`` says exactly). New entries of other processes (other xdist workers,
+    anyone sharing /dev/shm) do not fail the test: they are noted in a "Captured shmtransport
+    teardown" section. Also applied by ``@pytest.mark.shm_leak_check``. The value is the
+    ``testing.LeakCheck``, with knobs: ``check_fds = False``, ``own_shm(prefix)``,
+    ``ignore_shm(prefix)``, ..."""
     item = request.node
     if _uses_daemon(item) or "shmtransport.client" in sys.modules:
         testing.warm_up_process_state()  # gRPC's process-wide fds are not this test's leak
     check = testing.LeakCheck(shm_owned_prefixes)
-    for daemon in request.config.stash.get(_session_daemons_key, []):
-        if not daemon.closed:
+    try:
+        for daemon in request.config.stash.get(_session_daemons_key, []):
             check.watch_daemon(daemon)
+    except BaseException:
+        check.stop()  # no teardown follows a failed setup: recording must not outlive it
+        raise
     item.stash[_check_key] = check
     yield check
     del item.stash[_check_key]
@@ -207,9 +235,9 @@ def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes) -> testin
         for _, _, segments, _ in request.config.stash.get(_kept_key, []):
             for name in segments:
                 check.ignore_shm(name)
-    problems, warns = check.problems()
-    for text in warns:
-        warnings.warn(text)
+    problems, notes = check.problems()
+    if notes:
+        item.add_report_section("teardown", "shmtransport", "\n".join(notes))
     if problems:
         pytest.fail(check.failure_message(problems), pytrace=False)
 
