@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 import time
 
@@ -562,5 +563,24 @@ def test_close_waits_for_calls_in_flight_and_releases_what_cancelled_ones_return
             lease = await consumer.acquire(handle)
             assert lease.array.tolist() == [1] * KiB
             await consumer.release(lease, wait=True)
+
+    run(main())
+
+
+def test_views_made_through_the_async_clients_name_the_await_line_as_their_call_site(daemon, monkeypatch):
+    from shmtransport import _call_sites
+
+    monkeypatch.setattr(_call_sites, "enabled", True)  # what a leak check turns on
+
+    async def main():
+        async with AsyncProducer(daemon.socket_path) as producer, AsyncConsumer(daemon.socket_path) as consumer:
+            handle = await producer.put(np.arange(64, dtype=np.int32))
+            point = _call_sites.mark()
+            line = inspect.currentframe().f_lineno + 1
+            lease = await consumer.acquire(handle)
+            [(view, site)] = _call_sites.since(point)
+            assert view is lease and site == f"{__file__}:{line} in main"
+            await consumer.release(lease)
+            await producer.release(handle, wait=True)
 
     run(main())

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from . import _call_sites
 from .client import Consumer, Handle, Lease, Loan, Producer, _Client
 from .errors import ClosedError, InvalidArgument, ShmTransportError, Unavailable
 
@@ -160,7 +161,8 @@ class _AsyncClient:
         self._running += 1
         self._settled.clear()
         try:
-            job = self._executor.submit(self._call_in_worker, call, undo, handover)
+            site = _call_sites.caller() if _call_sites.enabled else None  # the awaiting coroutine's line
+            job = self._executor.submit(self._call_in_worker, call, undo, handover, site)
             outcome = asyncio.wrap_future(job)  # cancelling it cancels a job not started yet
             try:
                 return await (outcome if droppable else asyncio.shield(outcome))
@@ -175,8 +177,9 @@ class _AsyncClient:
                 self._settled.set()
 
     def _call_in_worker(self, call: Callable[[_Client], _T], undo: Callable[[_T], None] | None,
-                        handover: _Handover) -> _T:
-        result = call(self._connected())
+                        handover: _Handover, site: str | None) -> _T:
+        with _call_sites.attributed_to(site):
+            result = call(self._connected())
         if undo is not None and not handover.deliver():
             _undo(undo, result)  # the task was cancelled while the call ran
         return result
