@@ -11,9 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from shmtransport.testing import wait_until
 from shmtransport.client import Consumer, Handle, Producer
-from shmtransport.daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
 from shmtransport.errors import (
     ClosedError,
     HandleError,
@@ -24,8 +22,10 @@ from shmtransport.errors import (
     StateError,
     Unavailable,
 )
+from shmtransport.testing import wait_until
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.v1 import daemon_pb2_grpc as pb_grpc
+from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY
 
 TIMEOUT_S = 10.0
 ARRAY = np.arange(1000, dtype=np.float32)

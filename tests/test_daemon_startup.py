@@ -22,10 +22,21 @@ import pytest
 from shmtransport import testing
 from shmtransport.client import Producer
 from shmtransport.daemon import Daemon
-from shmtransport.daemon.config import default_socket_path
 from shmtransport.daemon.socket_dir import DaemonAlreadyRunning, UnsafeSocketDir
-from shmtransport.errors import InvalidArgument, Reason, ResourceExhausted, ShmTransportError
-from shmtransport.testing import SHM_DIR, BlockingChild, remove_tree, run_in_child, short_tmpdir
+from shmtransport.errors import (
+    InvalidArgument,
+    Reason,
+    ResourceExhausted,
+    ShmTransportError,
+)
+from shmtransport.testing import (
+    SHM_DIR,
+    BlockingChild,
+    remove_tree,
+    run_in_child,
+    short_tmpdir,
+)
+from shmtransport.wire import default_socket_path
 
 NOBODY = 65534
 START_TIMEOUT_S = 30.0

@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.daemon.registry import ObjState
-from shmtransport.daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
-from shmtransport.errors import Reason, ShmTransportError, _TABLE
+from shmtransport.errors import _TABLE, Reason, ShmTransportError
 from shmtransport.objtable import COMMITTED, HELD, LOANED
 from shmtransport.v1 import daemon_pb2 as pb
+from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY
 
 TIMEOUT_S = 5.0
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))
@@ -362,7 +362,7 @@ def test_forged_handles_through_the_client_give_typed_errors_or_exactly_the_name
             shm = pb.Handle()
             shm.CopyFrom(h.shm)
             setattr(shm, *forgery)
-            forged = Handle(shm, "uint8", (shm.nbytes,), h.digest)
+            forged = Handle(shm, "uint8", (shm.nbytes,), digest=h.digest)
             try:
                 if through_the_daemon:
                     got, lease = acquire_through_the_daemon(shm), None

@@ -3,11 +3,14 @@ never a crash, never a write outside the given buffers."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from shmtransport import _purepy
+from shmtransport.testing import wait_until
 
 if os.environ.get("SHMTRANSPORT_BACKEND", "auto").strip().lower() == "c":
     from shmtransport import _native
@@ -171,3 +174,27 @@ def test_stream_is_usable_after_a_rejected_call(k):
     import xxhash
 
     assert s.digest() == xxhash.xxh3_128(b"abcdef").digest()
+
+
+def test_an_interrupted_parallel_kernel_returns_only_once_no_thread_touches_the_buffers():
+    """``put_many`` releases its loans when a copy is interrupted: by then no helper thread may
+    still be writing into them."""
+    caller = threading.get_ident()
+    lock = threading.Lock()
+    inside = [0]  # helper threads inside a block right now
+
+    def make_worker():
+        def do_range(first: int, last: int) -> None:
+            if threading.get_ident() == caller:
+                wait_until(lambda: inside[0] > 0, what="a helper thread inside a block")
+                raise KeyboardInterrupt  # the caller's part is interrupted while a helper writes
+            with lock:
+                inside[0] += 1
+            time.sleep(0.05)  # a block that takes a while to copy
+            with lock:
+                inside[0] -= 1
+        return do_range
+
+    with pytest.raises(KeyboardInterrupt):
+        _native._over_chunks(64, 2, make_worker)
+    assert inside[0] == 0

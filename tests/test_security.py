@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from shmtransport.client import Consumer, Handle, Producer
-from shmtransport.daemon.server import GRPC_OPTIONS
 from shmtransport.errors import (
     HandleError,
     OwnershipError,
@@ -35,6 +34,7 @@ from shmtransport.errors import (
 from shmtransport.testing import run_in_child
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.v1 import daemon_pb2_grpc as pb_grpc
+from shmtransport.wire import GRPC_OPTIONS
 
 TIMEOUT_S = 10.0
 NOBODY = 65534
@@ -213,7 +213,7 @@ def test_current_model_a_same_uid_client_holding_all_fields_of_a_valid_handle_ma
         h = p.put(ARRAY, digest=True)
         guessed = Handle(pb.Handle(name=h.shm.name, offset=h.shm.offset, nbytes=h.shm.nbytes, slot=h.shm.slot,
                                    generation=h.shm.generation, instance_id=h.shm.instance_id),
-                         h.dtype, h.shape, h.digest, h.commit_token)
+                         h.dtype, h.shape, digest=h.digest, commit_token=h.commit_token)
         lease = c.acquire(guessed)
         assert np.array_equal(lease.array, ARRAY)
         c.release([lease], wait=True)

@@ -15,7 +15,6 @@ import pytest
 
 from shmtransport import objtable
 from shmtransport.client import Consumer, Handle, Producer
-from shmtransport.daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
 from shmtransport.daemon.sessions import MAX_PENDING_PER_UID
 from shmtransport.errors import (
     DeadlineExceeded,
@@ -30,6 +29,7 @@ from shmtransport.errors import (
 from shmtransport.testing import BlockingChild, remove_tree, short_tmpdir, wait_until
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.v1 import daemon_pb2_grpc as pb_grpc
+from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY
 
 TIMEOUT_S = 10.0
 NOBODY = 65534

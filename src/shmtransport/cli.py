@@ -13,8 +13,9 @@ import sys
 import threading
 
 from . import BACKEND, __version__
-from .daemon.config import DaemonConfig, default_socket_path
+from .daemon.config import DaemonConfig
 from .errors import ShmTransportError
+from .wire import default_socket_path
 
 # sun_path is 108 bytes on Linux, the terminating NUL included.
 _MAX_SOCKET_PATH_NBYTES = 107

@@ -12,6 +12,7 @@ view is gone (checked on every later call and at close), so the bytes cannot be 
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -30,9 +31,6 @@ import numpy as np
 
 from . import _call_sites, arena, objtable
 from ._backend import kernels
-from .daemon.config import default_socket_path
-from .daemon.registry import MAX_BATCH
-from .daemon.server import GRPC_OPTIONS, SESSION_METADATA_KEY
 from .errors import (
     ClosedError,
     HandleError,
@@ -40,10 +38,10 @@ from .errors import (
     InvalidArgument,
     OwnershipError,
     PermissionDenied,
-    StateError,
     Reason,
     ResourceExhausted,
     ShmTransportError,
+    StateError,
     Unavailable,
     error_from_rpc,
 )
@@ -51,6 +49,7 @@ from .table_client import Placed, TableClient
 from .tensors import as_byte_array, dtype_from_name, dtype_name, tensor_nbytes, to_torch
 from .v1 import daemon_pb2 as pb
 from .v1 import daemon_pb2_grpc as pb_grpc
+from .wire import GRPC_OPTIONS, MAX_BATCH, SESSION_METADATA_KEY, default_socket_path
 
 _log = logging.getLogger("shmtransport.client")
 
@@ -519,7 +518,6 @@ class _Client:
         self._conn = _Connection(socket_path or default_socket_path(), timeout_s, self._writable, daemon_uid)
         self._release_delay_s = release_delay_s
         self._lock = threading.RLock()
-        self._own_release = threading.Condition(self._lock)  # a producer's placement waits on its releases
         self._flush_lock = threading.Lock()  # one flush at a time: flush() returns when all landed
         self._deferred: list[_View] = []  # released by the caller, views still alive
         self._queued_handles: list[pb.Handle] = []
@@ -539,6 +537,26 @@ class _Client:
         """The daemon instance this client is connected to (a restarted daemon has a new one; its
         predecessor's handles are refused)."""
         return self._conn.instance_id
+
+    @property
+    def socket_path(self) -> str:
+        """The daemon socket this client connects to."""
+        return self._conn.socket_path
+
+    @property
+    def shm_namespace(self) -> str:
+        """The id of the /dev/shm the daemon's segments live in (as it advertised at the
+        handshake): equal ids mean a handle's bytes can be mapped here."""
+        self._conn.ensure()
+        return self._conn.hello.get("shm_namespace", "")
+
+    def arena_view(self) -> memoryview | None:
+        """The whole arena as this client maps it (read-only for a Consumer), e.g. to register it
+        once with a GPU runtime for DMA; None until connected to a daemon with an arena. A handle's
+        bytes are at ``[handle.shm.offset, + handle.nbytes)``."""
+        self._conn.ensure()
+        mapping = self._conn.mapping
+        return None if mapping is None else mapping.view(0, mapping.nbytes)
 
     @property
     def session_id(self) -> str:
@@ -586,12 +604,20 @@ class _Client:
             info = hello["object_table"]
             self._tables = TableClient(table, self._conn.holder_bit, int(hello["arena_nbytes"]),
                                        int(info["handoff_window_ms"]), int(info["max_hold_ms"]),
-                                       self._grant, self._own_release.wait)
+                                       self._grant)
         return self._tables
 
     def _grant(self, nbytes: int, nslots: int, give_back: list[int], wait_ms: int, retry: bool) -> pb.GrantResponse:
-        return self._call("Grant", pb.GrantRequest(nbytes=nbytes, nslots=nslots, wait_ms=wait_ms,
-                                                   give_back=give_back, retry=retry))
+        """The Grant RPC, from a placement (lock held once). One that may wait for space lets this
+        producer's other threads in meanwhile: their releases may be the room it waits for."""
+        request = pb.GrantRequest(nbytes=nbytes, nslots=nslots, wait_ms=wait_ms, give_back=give_back, retry=retry)
+        if not wait_ms:
+            return self._call("Grant", request)
+        self._lock.release()
+        try:
+            return self._call("Grant", request)
+        finally:
+            self._lock.acquire()
 
     def _live_table(self, tables: TableClient | None) -> bool:
         """Whether a view's object-table client still speaks for this connection (after a daemon
@@ -684,7 +710,6 @@ class _Client:
             tables, placed = view._placed
             if self._live_table(tables) and placed.held:
                 tables.release_own(placed, cancel_handoff=True)
-                self._own_release.notify_all()
         else:
             self._queued_handles.append(view.handle.shm)
 
@@ -1018,6 +1043,14 @@ class Producer(_Client):
             loan._detach_views()  # the producer keeps its reference through the handle, not the loan
         return handles
 
+    def read_bytes(self, handle: Handle) -> bytes:
+        """A copy of the bytes of an object of this daemon (e.g. to send it inline after all).
+        Raises Unavailable for a handle of another daemon instance."""
+        if handle.shm.instance_id != self.instance_id:
+            raise Unavailable(f"handle of daemon instance {handle.shm.instance_id!r}, connected to "
+                              f"{self.instance_id!r}", Reason.INSTANCE_MISMATCH)
+        return bytes(self._memory(handle.shm)[:handle.nbytes])
+
     def release(self, handles: Handle | Iterable[Handle], *, wait: bool = False) -> None:
         """Drop this producer's reference(s); bytes are freed once every consumer that holds
         them released too. Unlike closing, this ends the hand-off (see ``commit_many``).
@@ -1063,7 +1096,6 @@ class Producer(_Client):
                     raise HandleError(f"{h!r} does not match the object in its slot "
                                       f"([{placed.offset}, +{placed.nbytes}))", Reason.OUT_OF_BOUNDS)
                 tables.release_own(placed, cancel_handoff=True)
-            self._own_release.notify_all()
             self._schedule_flush()  # grants to give back once their objects die
         return rest
 
@@ -1189,7 +1221,9 @@ def _check_fd_headroom(needed: int = 16) -> None:
         return
     try:
         in_use = len(os.listdir("/proc/self/fd"))
-    except OSError as exc:  # no fd left even for listing: certainly not enough
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            return  # no /proc to count with: gRPC will say so itself if it runs out
         raise ResourceExhausted(f"no file descriptor left: {exc}", Reason.FD_LIMIT) from exc
     if soft - in_use < needed:
         raise ResourceExhausted(

@@ -53,9 +53,9 @@ GRANT_ARENA_FRACTION = 64  # a standard grant is this fraction of the arena (wit
 IDLE_PARK_S = 0.5
 
 GrantCall = Callable[[int, int, list, int, bool], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms, retry)
-# A producer waiting for space asks again after pauses growing from the first to the last: its
-# consumers free space in its grants without telling the daemon, and other producers free arena
-# space the daemon would grant.
+# A producer waiting for space looks at its own grants again after waits growing from the first to
+# the last (its consumers, and its own other threads, free space in its grants without telling the
+# daemon).
 GRANT_POLL_S = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 
 
@@ -95,18 +95,16 @@ class TableClient:
     """Not thread-safe by itself: the owning client serializes calls with its lock."""
 
     def __init__(self, table: ObjectTable, bit: int, arena_nbytes: int, handoff_window_ms: int,
-                 max_hold_ms: int, grant: GrantCall, pause: Callable[[float], object]):
+                 max_hold_ms: int, grant: GrantCall):
         # (max_hold_ms is the daemon's; the table cannot check it, so the client does.)
-        """``grant(nbytes, nslots, give_back, wait_ms, retry)``: the daemon's Grant RPC.
-        ``pause(seconds)``: wait with the owner's lock released, woken early when the owner
-        releases one of its objects (a waiting placement must not keep out the release that
-        would make room for it)."""
+        """``grant(nbytes, nslots, give_back, wait_ms, retry)``: the daemon's Grant RPC; one
+        that waits must let the owner's other threads in meanwhile (their releases may be the
+        room it waits for)."""
         self.table = table
         self.bit = bit
         self.handoff_window_ns = handoff_window_ms * 1_000_000
         self.max_hold_ms = max_hold_ms
         self._grant_rpc = grant
-        self._pause = pause
         self.arena_nbytes = arena_nbytes
         self.standard_grant_nbytes = min(arena_nbytes, max(MIN_GRANT_NBYTES, min(MAX_GRANT_NBYTES,
                                                                              arena_nbytes // GRANT_ARENA_FRACTION)))
@@ -143,15 +141,15 @@ class TableClient:
                 obj = self._try_place(nbytes)
             if obj is not None:
                 return obj
+            remaining = deadline - time.monotonic()
+            wait_s = max(0.0, min(remaining, GRANT_POLL_S[min(attempt, len(GRANT_POLL_S) - 1)]))
             try:
-                self._new_grant(nbytes, 0, retry=time.monotonic() < deadline)
+                self._new_grant(nbytes, int(wait_s * 1000), retry=remaining - wait_s > 0)
             except ResourceExhausted as exc:
                 if self._give_back_empty():
                     continue  # this producer's own idle grants were in the way
-                remaining = deadline - time.monotonic()
-                if exc.reason is Reason.TABLE_FULL or remaining <= 0 or nbytes > self.arena_nbytes:
+                if exc.reason is Reason.TABLE_FULL or time.monotonic() >= deadline or nbytes > self.arena_nbytes:
                     raise  # (an object larger than the arena never fits: no point waiting)
-                self._pause(min(remaining, GRANT_POLL_S[min(attempt, len(GRANT_POLL_S) - 1)]))
                 continue
             obj = self._try_place(nbytes)
             if obj is None:  # pragma: no cover - a fresh grant always fits its first object

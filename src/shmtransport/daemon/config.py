@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import os
 
+from ..wire import default_socket_path
 from .segments import shm_free_nbytes, shm_size_advice
 
 _log = logging.getLogger("shmtransport.daemon")
@@ -12,22 +13,6 @@ _log = logging.getLogger("shmtransport.daemon")
 PAGE = 4096
 MIN_RECOMMENDED_ARENA = 1 << 30
 MAX_DEFAULT_ARENA = 8 << 30
-
-
-def default_socket_path() -> str:
-    """``$SHMTRANSPORT_SOCKET``, else a ``daemon.sock`` in a directory only this uid can create
-    entries in (the daemon creates it 0700 and refuses one anybody else could write to): root's
-    ``/run/shmtransport``, ``$XDG_RUNTIME_DIR/shmtransport``, or ``/tmp/shmtransport-<uid>``."""
-    explicit = os.environ.get("SHMTRANSPORT_SOCKET")
-    if explicit:
-        return explicit
-    euid = os.geteuid()
-    if euid == 0:
-        return "/run/shmtransport/daemon.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "shmtransport", "daemon.sock")
-    return f"/tmp/shmtransport-{euid}/daemon.sock"
 
 
 def default_arena_nbytes() -> int:

@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Iterable, Sequence
 
+from ..allocator import PAGE, Allocator
 from ..errors import (
     HandleError,
     InvalidArgument,
@@ -45,14 +46,13 @@ from ..errors import (
     Unavailable,
 )
 from ..v1 import daemon_pb2 as pb
-from ..allocator import PAGE, Allocator
+from ..wire import MAX_BATCH
 from .objects import ObjectBook
 from .segments import Segment, ShmReserve
 
 _log = logging.getLogger("shmtransport.daemon")
 _RATE_WINDOW_S = 5.0
 _HOLD, _LEASE = 0, 1  # kinds of TTL deadlines
-MAX_BATCH = 4096  # entries in one Loan/Commit/Acquire/Release; clients split larger ones
 LIST_LIMIT = 10_000  # objects in one List answer (a 4 MiB message holds ~40k; the largest come first)
 
 

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .. import objtable
+from ..allocator import Allocator
 from ..errors import (
     InvalidArgument,
     PermissionDenied,
@@ -33,10 +34,10 @@ from ..errors import (
 )
 from ..v1 import daemon_pb2 as pb
 from ..v1 import daemon_pb2_grpc as pb_grpc
-from ..allocator import Allocator
+from ..wire import MAX_BATCH, SESSION_METADATA_KEY
 from .config import DaemonConfig
 from .objects import ObjectBook
-from .registry import MAX_BATCH, Limits, Registry
+from .registry import Limits, Registry
 from .segments import (
     Segment,
     ShmReserve,
@@ -51,12 +52,6 @@ from .socket_dir import claim
 
 _log = logging.getLogger("shmtransport.daemon")
 
-SESSION_METADATA_KEY = "shmt-session"
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.so_reuseport", 0),
-]
 # The largest legitimate request (a batch of MAX_BATCH handles with tokens and a piggybacked
 # release) is about 1 MiB; anything larger is refused by gRPC before it is parsed.
 MAX_REQUEST_NBYTES = 4 << 20
@@ -102,7 +97,7 @@ def _typed_errors(method: Callable) -> Callable:
     return wrapper
 
 
-def _bounded_wait(wait_s: float, context) -> float:
+def bounded_wait(wait_s: float, context) -> float:
     """A wait that ends before the caller's deadline, so it gets our typed error, not a timeout."""
     remaining = context.time_remaining()
     return wait_s if remaining is None else min(wait_s, max(0.0, remaining - 0.05))
@@ -154,7 +149,7 @@ class _Servicer(pb_grpc.DaemonServicer):
         except queue.Empty:
             return call(0.0)
         try:
-            return call(_bounded_wait(wait_s, context))
+            return call(bounded_wait(wait_s, context))
         finally:
             tenant.wait_slots.put(None)
 

@@ -220,7 +220,7 @@ def main(argv: list[str]) -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from ..daemon.config import default_socket_path
+    from ..wire import default_socket_path
 
     parser = FlexibleArgumentParser(prog="shmtransport vllm-worker",
                                     description="vLLM's engine behind the Generator service, fed zero-copy "

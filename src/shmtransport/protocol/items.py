@@ -34,10 +34,6 @@ def modality_from_pb(value: int) -> str:
         raise InvalidArgument(f"modality must be IMAGE, VIDEO or AUDIO, got enum value {value}") from None
 
 
-Slice = slice
-SliceEntry = Any  # slice | tuple[slice, ...]
-
-
 @dataclasses.dataclass(frozen=True)
 class FieldConfig:
     """vLLM ``MultiModalFieldConfig`` of one kwarg: ``(kind, {keep_on_cpu, slices, dim, batch_size})``."""

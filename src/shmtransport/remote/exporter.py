@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from ..daemon.server import GRPC_OPTIONS
+from ..wire import GRPC_OPTIONS
 from ..errors import InvalidArgument, error_from_rpc
 from ..tensors import dtype_from_name
 from ..v1 import features_pb2 as fpb
@@ -26,7 +26,7 @@ class RemoteExporter:
         self.producer = producer
         self.counters = counters or COUNTERS
         self.namespace = namespace_of(producer)
-        channel = grpc.insecure_channel(f"unix:{producer._conn.socket_path}", options=GRPC_OPTIONS)
+        channel = grpc.insecure_channel(f"unix:{producer.socket_path}", options=GRPC_OPTIONS)
         try:
             self.info = rpb_grpc.RemoteStub(channel).Describe(rpb.DescribeRequest(), timeout=timeout_s)
         except grpc.RpcError as err:
@@ -53,7 +53,7 @@ class RemoteExporter:
         elif transport == REMOTE:
             td.remote.CopyFrom(self.export(handle))
         else:
-            td.inline = bytes(self.producer._memory(handle.shm)[: handle.nbytes])
+            td.inline = self.producer.read_bytes(handle)
         return td
 
 

@@ -56,8 +56,7 @@ COUNTERS = TransportCounters()
 
 def namespace_of(client) -> str:
     """The shm namespace id a Producer/Consumer's daemon advertised in its handshake."""
-    client._conn.ensure()
-    return client._conn.hello.get("shm_namespace", "")
+    return client.shm_namespace
 
 
 def choose_transport(producer_namespace: str, consumer_namespace: str, *, allow_inline: bool = False,

@@ -86,7 +86,7 @@ class GeneratorService(ServerInfoServicer):
         self.model = model_mod.TinyMultimodalModel().to(self.device)
         self.consumer = Consumer(daemon_socket) if daemon_socket else None
         self.host_register = host_register and self.device.startswith("cuda")
-        self.registered: dict[str, Any] = {}  # mapping name -> (address, nbytes, flags) once registered
+        self.registered: dict[str, Any] = {}  # daemon instance -> (address, nbytes, flags) once registered
         self._register_lock = threading.Lock()
         self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
 
@@ -95,32 +95,34 @@ class GeneratorService(ServerInfoServicer):
         """cudaHostRegister the consumer's arena mapping once (pinned: host->device copies by DMA)."""
         import torch
 
-        mapping = self.consumer._conn.mapping if self.consumer is not None else None
-        if not self.host_register or mapping is None or mapping.name in self.registered:
+        if not self.host_register or self.consumer is None:
+            return
+        arena, key = self.consumer.arena_view(), self.consumer.instance_id  # one arena per daemon instance
+        if arena is None or key in self.registered:
             return
         with self._register_lock:
-            if mapping.name in self.registered:
+            if key in self.registered:
                 return
-            view = np.frombuffer(mapping.view(0, mapping.nbytes), dtype=np.uint8)
+            view = np.frombuffer(arena, dtype=np.uint8)
             ptr = view.ctypes.data
             result = None
             cudart = torch.cuda.cudart()
             # 8 = cudaHostRegisterReadOnly: our consumer mapping is PROT_READ, and flags 0 is refused
             # there (invalid argument, seen on an H200); 0 stays as the fallback for writable mappings.
-            for flags in ((8, 0) if not mapping.writable else (0, 8)):
+            for flags in ((8, 0) if arena.readonly else (0, 8)):
                 try:
-                    err = cudart.cudaHostRegister(ptr, mapping.nbytes, flags)
+                    err = cudart.cudaHostRegister(ptr, arena.nbytes, flags)
                     code = int(err.value) if hasattr(err, "value") else int(err)
                 except Exception as exc:  # noqa: BLE001 - registration is an optimisation
                     _log.warning("cudaHostRegister raised %r", exc)
                     code = -1
                 if code == 0:
-                    result = (ptr, mapping.nbytes, flags)
+                    result = (ptr, arena.nbytes, flags)
                     break
                 _clear_cuda_error()
-                _log.info("cudaHostRegister(flags=%d) of %s failed with %d", flags, mapping.name, code)
-            self.registered[mapping.name] = result  # None = registration refused: pageable copies
-            _log.info("cudaHostRegister of %s: %s", mapping.name, result)
+                _log.info("cudaHostRegister(flags=%d) of the arena of %s failed with %d", flags, key, code)
+            self.registered[key] = result  # None = registration refused: pageable copies
+            _log.info("cudaHostRegister of the arena of %s: %s", key, result)
             self._registered_view = view  # keep the address valid while registered
 
     def to_device(self, t):
