@@ -30,6 +30,7 @@ import glob
 import importlib.util
 import os
 import pathlib
+import re
 
 from cffi import FFI
 
@@ -98,7 +99,7 @@ def _cdef_from_header(path: pathlib.Path) -> str:
                 lines.append(f"#define {words[1]} ...")
         elif not line.lstrip().startswith("#"):
             lines.append(line)
-    return "\n".join(lines) + "\nint32_t shmt_xxh_link_mode(void);\n"
+    return "\n".join(lines) + "\nint32_t shmt_xxh_link_mode(void);\nconst char *shmt_package_version(void);\n"
 
 
 _CDEF = _cdef_from_header(HERE / "shmt_kernels.h")
@@ -108,11 +109,21 @@ struct XXH3_state_s *XXH3_createState(void);
 int XXH3_freeState(struct XXH3_state_s *state);
 """
 
+def _package_version() -> str:
+    """The project version (pyproject.toml), baked into the extension: ``_native`` refuses an
+    extension built for another version (a stale build left next to newer sources)."""
+    match = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("no version in pyproject.toml")
+    return match.group(1)
+
+
 _LINK_MODES = {"none": 0, "system": 1, "pypkg": 2}
 _PREAMBLE = f"""
 #include "shmt_kernels.h"
 /* how XXH3 was linked: 0 none, 1 system libxxhash, 2 the xxhash package's extension */
 static int32_t shmt_xxh_link_mode(void) {{ return {_LINK_MODES[MODE]}; }}
+static const char *shmt_package_version(void) {{ return "{_package_version()}"; }}
 """
 if HAVE_XXH3:
     _PREAMBLE += """
@@ -138,7 +149,9 @@ ffibuilder.set_source(
     include_dirs=[str(HERE) if __name__ == "__main__" else "csrc"],
     depends=[str(HERE / "shmt_kernels.h") if __name__ == "__main__" else "csrc/shmt_kernels.h"],
     define_macros=[("SHMT_HAVE_XXH3", "1" if HAVE_XXH3 else "0")],
-    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-fno-strict-aliasing"],
+    # No -fno-strict-aliasing: the kernels read bytes through memcpy, the intrinsics' own vector
+    # types and the slot struct's atomics, never through a pointer of another type.
+    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"],
     extra_link_args=_link_args,
 )
 

@@ -10,6 +10,12 @@
 
 #include <string.h>
 
+/* The object table's words and the packed masks are defined little-endian, and the kernels read
+ * them with plain loads: a big-endian build would compute wrong answers, so it must not build. */
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "shmtransport's kernels need a little-endian target"
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #define SHMT_X86 1
 #include <immintrin.h>
@@ -101,14 +107,18 @@ static void shmt_copy_nt_sse2(uint8_t *dst, const uint8_t *src, size_t n)
     memcpy(dst, src, n);
 }
 
+/* CPU features, looked up once. Relaxed atomics: threads may race to compute the same value, but
+ * no load or store of the flag is a data race. */
 static int shmt_cpu_avx2(void)
 {
-    static int cached = -1; /* benign race: every thread computes the same value */
-    if (cached < 0) {
+    static int cached = -1;
+    int value = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (value < 0) {
         __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") ? 1 : 0;
+        value = __builtin_cpu_supports("avx2") ? 1 : 0;
+        __atomic_store_n(&cached, value, __ATOMIC_RELAXED);
     }
-    return cached;
+    return value;
 }
 
 static void shmt_copy_nt(uint8_t *dst, const uint8_t *src, size_t n)
@@ -123,13 +133,15 @@ static void shmt_sfence(void) { _mm_sfence(); }
 #define SHMT_FAST_TARGET __attribute__((target("avx2,bmi,bmi2,popcnt")))
 static int shmt_cpu_fast(void)
 {
-    static int cached = -1; /* benign race: every thread computes the same value */
-    if (cached < 0) {
+    static int cached = -1;
+    int value = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (value < 0) {
         __builtin_cpu_init();
-        cached = (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
-                  __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt")) ? 1 : 0;
+        value = (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+                 __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt")) ? 1 : 0;
+        __atomic_store_n(&cached, value, __ATOMIC_RELAXED);
     }
-    return cached;
+    return value;
 }
 #else
 static void shmt_copy_nt(uint8_t *dst, const uint8_t *src, size_t n) { memcpy(dst, src, n); }
@@ -236,7 +248,8 @@ int32_t shmt_xxh3_stream_copy_update(struct XXH3_state_s *state, uint8_t *dst, u
 
 static uint64_t shmt_tree_nchunks(uint64_t nbytes)
 {
-    return (nbytes + SHMT_TREE_CHUNK_NBYTES - 1) / SHMT_TREE_CHUNK_NBYTES;
+    /* not (nbytes + C - 1) / C: that wraps for nbytes within C of UINT64_MAX */
+    return nbytes / SHMT_TREE_CHUNK_NBYTES + (nbytes % SHMT_TREE_CHUNK_NBYTES != 0);
 }
 
 int32_t shmt_tree_leaves(const uint8_t *buf, uint64_t nbytes, uint64_t first, uint64_t last,

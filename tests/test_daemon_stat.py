@@ -15,7 +15,7 @@ import time
 import pytest
 
 from shmtransport.allocator import Allocator
-from shmtransport.daemon.registry import Limits, ObjState, Registry
+from shmtransport.daemon.registry import ObjState, Registry, TenantLimits
 from shmtransport.daemon.segments import new_instance_id
 from shmtransport.errors import ShmTransportError
 from shmtransport.testing import unique_prefix
@@ -38,7 +38,7 @@ class Walk:
         instance = new_instance_id()
         self.registry = Registry(
             instance, f"{unique_prefix()}-{instance}-arena", Allocator(ARENA_NBYTES),
-            Limits(quota_nbytes=QUOTA_NBYTES, quota_leases=64, default_lease_ttl_ms=MAX_TTL_MS,
+            TenantLimits(quota_nbytes=QUOTA_NBYTES, quota_leases=64, default_lease_ttl_ms=MAX_TTL_MS,
                    max_lease_ttl_ms=10 * MAX_TTL_MS, default_hold_ms=0),
         )
         self.loans: list[tuple[str, pb.Handle, bytes]] = []  # (producer session, handle, commit token)
@@ -134,7 +134,7 @@ def brute_force_nbytes(registry: Registry) -> dict[str, tuple[int, int]]:
     nbytes = {session_id: [0, 0] for session_id in registry._sessions}
     for obj in registry._objects.values():
         if obj.producer_ref:
-            assert obj.owner in nbytes, f"allocation {obj.offset} referenced by a closed session"
+            assert obj.owner in nbytes, f"allocation {obj.key} referenced by a closed session"
             nbytes[obj.owner][obj.state is ObjState.COMMITTED] += obj.nbytes
     return {session_id: (loaned, committed) for session_id, (loaned, committed) in nbytes.items()}
 
@@ -156,7 +156,7 @@ def check_counters(registry: Registry) -> None:
     quarantined = [lease for lease in registry._leases.values() if lease.quarantined]
     stat = registry.stat()
     assert stat.quarantined_leases == len(quarantined) and stat.dedicated_nbytes == dedicated
-    assert stat.quarantined_nbytes == sum(registry._objects[lease.offset].nbytes for lease in quarantined)
+    assert stat.quarantined_nbytes == sum(registry._objects[lease.key].nbytes for lease in quarantined)
     assert all(registry._sessions[lease.session_id].quarantine_expired for lease in quarantined)
 
 

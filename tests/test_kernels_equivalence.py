@@ -36,6 +36,36 @@ def _mask(nbits: int, seed: int, p: float, garbage_padding: bool = True) -> np.n
     return packed
 
 
+def test_the_c_backend_implements_every_kernel_the_specification_names():
+    """``_native`` takes its ``__all__`` from the specification: each name must be its own
+    implementation there (constants excepted), with the specification's parameters."""
+    import inspect
+
+    for name in P.__all__:
+        spec, impl = getattr(P, name), getattr(N, name, None)
+        assert impl is not None, f"_native lacks {name}"
+        if callable(spec):
+            assert impl is not spec, f"_native.{name} is the pure-Python one"
+            if inspect.isfunction(spec):
+                assert list(inspect.signature(impl).parameters) == list(inspect.signature(spec).parameters), name
+            else:  # a class: the same public methods
+                public = {m for m in dir(spec) if not m.startswith("_")}
+                assert public <= set(dir(impl)), (name, public - set(dir(impl)))
+
+
+def test_the_c_extension_was_built_for_this_package_version_and_a_stale_one_is_refused():
+    import subprocess
+    import sys
+
+    import shmtransport
+
+    assert N._built_for == shmtransport.__version__
+    code = ("import shmtransport; shmtransport.__version__ = '0.0.0-other'\n"
+            "try:\n    import shmtransport._native\nexcept ImportError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert f"built for shmtransport {N._built_for}, this is 0.0.0-other: a stale build" in out.stdout
+
+
 def test_tree_chunk_size_is_the_same_in_both_backends():
     assert N.TREE_CHUNK_NBYTES == P.TREE_CHUNK_NBYTES == 1 << 20
 

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from . import _purepy
+from . import __version__, _purepy
 from ._purepy import (_bools, _check_threads, _dst_src, _packed, _tree_root, _view, _window_args,
                       TREE_CHUNK_NBYTES)
 
@@ -45,6 +45,10 @@ def _load_extension():
 
 ffi, lib = _load_extension()
 
+_built_for = ffi.string(lib.shmt_package_version()).decode()
+if _built_for != __version__:
+    raise ImportError(f"shmtransport._shmt_c was built for shmtransport {_built_for}, this is {__version__}: "
+                      "a stale build; reinstall (or rebuild) the package")
 if lib.SHMT_TREE_CHUNK_NBYTES != TREE_CHUNK_NBYTES:  # pragma: no cover - build/source mismatch
     raise ImportError("shmtransport._shmt_c was built with a different tree chunk size; rebuild it")
 

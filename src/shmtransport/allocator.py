@@ -1,9 +1,12 @@
 """Best-fit free-extent allocator over a byte range: the daemon's arena, a producer's grant, the
 slots of an object table. Bookkeeping only: it never touches the bytes.
 
-Free space is a set of disjoint extents kept two ways: by offset (to coalesce a freed extent with
-its neighbours in O(log n)) and by (size, offset) (best fit in O(log n)). Any live allocation pins
-only its own bytes, so an unreleased object never blocks reuse of other free space.
+Free space is a set of disjoint extents kept in two sorted lists: by offset (to find a freed
+extent's neighbours and coalesce) and by (size, offset) (best fit). Finding is a bisection,
+O(log n); inserting into or deleting from a list moves its tail, O(n) in the number of free
+extents, with a memmove's constant (fine for the thousands of extents an arena fragments into).
+Any live allocation pins only its own bytes, so an unreleased object never blocks reuse of other
+free space.
 
 Every allocation starts on a 64-byte boundary (cache line); objects of ``page_align_min_nbytes``
 or more start on a page boundary so consumers can hand them to DMA/pinning APIs.

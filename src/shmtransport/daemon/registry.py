@@ -52,7 +52,11 @@ from .segments import Segment, ShmReserve
 
 _log = logging.getLogger("shmtransport.daemon")
 _RATE_WINDOW_S = 5.0
-_HOLD, _LEASE = 0, 1  # kinds of TTL deadlines
+class _Deadline(enum.IntEnum):
+    """What a TTL deadline in the heap ends (ordered after the time, so ties compare cheaply)."""
+
+    HOLD = 0  # an object's hold or hand-off window; the entry's key is the Allocation's key
+    LEASE = 1  # a lease's TTL; the entry's key is the lease id
 LIST_LIMIT = 10_000  # objects in one List answer (a 4 MiB message holds ~40k; the largest come first)
 
 
@@ -74,7 +78,7 @@ class Session:
     # O(1) per session instead of a walk over its objects under the registry lock.
     loaned_nbytes: int = 0
     committed_nbytes: int = 0
-    producer_refs: set[int] = dataclasses.field(default_factory=set)  # offsets
+    producer_refs: set[int] = dataclasses.field(default_factory=set)  # keys of their Allocations
     leases: set[int] = dataclasses.field(default_factory=set)  # lease ids
 
     @property
@@ -85,7 +89,7 @@ class Session:
 
 @dataclasses.dataclass
 class Allocation:
-    offset: int
+    key: int  # in ``_objects``: the arena offset, or ``-generation`` for a dedicated segment
     nbytes: int
     generation: int
     owner: str  # session id of the producer
@@ -95,16 +99,23 @@ class Allocation:
     handoff: bool = False  # the hold is the hand-off window: the first acquire ends it
     leases: set[int] = dataclasses.field(default_factory=set)
     commit_token: bytes = b""  # presenting it in Acquire commits the loan (commit by handoff)
-    # Dedicated segment per object (LoanRequest.dedicated): the object's own segment; ``offset`` is
-    # then the registry key ``-generation`` (never an arena offset) and the handle says offset 0.
+    # Dedicated segment per object (LoanRequest.dedicated): the object's own segment; its handle
+    # says offset 0.
     segment: Segment | None = None
     created_at: float = dataclasses.field(default_factory=time.monotonic)
 
+    @property
+    def offset(self) -> int:
+        """Where the bytes start in their segment: the arena offset, or 0 in a dedicated segment."""
+        return 0 if self.segment is not None else self.key
+
 
 @dataclasses.dataclass
-class Lease:
+class LeaseRecord:
+    """A consumer's lease as the daemon books it (the RPC path)."""
+
     lease_id: int
-    offset: int
+    key: int  # of the leased Allocation
     generation: int
     session_id: str
     expires_at: float
@@ -112,7 +123,7 @@ class Lease:
 
 
 @dataclasses.dataclass(frozen=True)
-class Limits:
+class TenantLimits:
     quota_nbytes: int | None  # per tenant: arena + dedicated bytes; None: the arena size
     quota_leases: int  # per tenant
     default_lease_ttl_ms: int
@@ -133,7 +144,7 @@ class _CommitWaiter:
 
 
 class Registry:
-    def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: Limits,
+    def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: TenantLimits,
                  shm_reserve: ShmReserve | None = None, segment_owner: tuple[int, int] | None = (-1, -1),
                  tenant: str = "", objects: ObjectBook | None = None):
         """``segment_name``: this tenant's arena, ``{prefix}-{instance}-{tenant}-arena``; its dedicated
@@ -159,9 +170,9 @@ class Registry:
         self._commit_waiters: dict[int, list[_CommitWaiter]] = {}  # object key -> waiting Acquires
         self._dedicated_nbytes = 0
         self._quarantined: dict[int, int] = {}  # lease id -> bytes, leases past their TTL
-        self._objects: dict[int, Allocation] = {}  # offset (dedicated: -generation) -> allocation
+        self._objects: dict[int, Allocation] = {}  # Allocation.key -> allocation
         self._dedicated: dict[str, int] = {}  # dedicated segment name -> key in _objects
-        self._leases: dict[int, Lease] = {}
+        self._leases: dict[int, LeaseRecord] = {}
         self._sessions: dict[str, Session] = {}
         self._deadlines: list[tuple[float, int, int]] = []  # (when, kind, key) lazily invalidated
         self._next_generation = 1
@@ -202,8 +213,8 @@ class Registry:
                 if lease is not None:
                     leases += 1
                     nbytes += self._drop_lease(lease, session)
-            for offset in list(session.producer_refs):
-                nbytes += self._drop_producer_ref(self._objects[offset], session)
+            for key in list(session.producer_refs):
+                nbytes += self._drop_producer_ref(self._objects[key], session)
             if self.objects is not None:
                 held, freed = self.objects.close_session(session_id, self._free_granted)
                 leases, nbytes = leases + held, nbytes + freed
@@ -406,7 +417,7 @@ class Registry:
                     raise OwnershipError(f"commit of an object this session does not hold (offset {obj.offset})")
                 if obj.state is not ObjState.LOANED:
                     raise StateError(f"object at offset {obj.offset} is already committed")
-            if len({obj.offset for obj in objs}) != len(objs):
+            if len({obj.key for obj in objs}) != len(objs):
                 raise InvalidArgument("the same handle appears twice in one commit")
             # Without a hold, the hand-off window: the object outlives its producer until the first
             # acquire (or the window passes), so "commit, send the handle, close" works.
@@ -415,7 +426,7 @@ class Registry:
             for obj in objs:
                 self._mark_committed(obj)
                 obj.hold_until, obj.handoff = until, handoff
-                heapq.heappush(self._deadlines, (until, _HOLD, obj.offset))
+                heapq.heappush(self._deadlines, (until, _Deadline.HOLD, obj.key))
 
     # -- consumer side ---------------------------------------------------------------------------
     def acquire(
@@ -468,14 +479,14 @@ class Registry:
                 raise
             expires_at = time.monotonic() + ttl_ms / 1000
             for i, obj in zip(mine, objs):
-                lease = Lease(self._next_lease_id, obj.offset, obj.generation, session_id, expires_at)
+                lease = LeaseRecord(self._next_lease_id, obj.key, obj.generation, session_id, expires_at)
                 self._next_lease_id += 1
                 self._leases[lease.lease_id] = lease
                 obj.leases.add(lease.lease_id)
                 if obj.handoff:  # the first acquire takes the hand-off over
                     obj.hold_until, obj.handoff = 0.0, False
                 session.leases.add(lease.lease_id)
-                heapq.heappush(self._deadlines, (expires_at, _LEASE, lease.lease_id))
+                heapq.heappush(self._deadlines, (expires_at, _Deadline.LEASE, lease.lease_id))
                 lease_ids[i] = lease.lease_id
             return lease_ids
 
@@ -516,18 +527,18 @@ class Registry:
                 raise StateError(f"object at offset {pending[0].offset} is not committed")
             waiter = _CommitWaiter()
             for obj in pending:
-                self._commit_waiters.setdefault(obj.offset, []).append(waiter)
+                self._commit_waiters.setdefault(obj.key, []).append(waiter)
             self._lock.release()
             try:
                 waiter.event.wait(remaining)
             finally:
                 self._lock.acquire()
                 for obj in pending:
-                    waiters = self._commit_waiters.get(obj.offset)
+                    waiters = self._commit_waiters.get(obj.key)
                     if waiters is not None and waiter in waiters:
                         waiters.remove(waiter)
                         if not waiters:
-                            del self._commit_waiters[obj.offset]
+                            del self._commit_waiters[obj.key]
 
     # -- both ------------------------------------------------------------------------------------
     def release(
@@ -571,7 +582,7 @@ class Registry:
                 if lease.session_id != session_id:
                     raise OwnershipError(f"lease {lease_id} belongs to another client")
                 leases.append(lease)
-            if len({obj.offset for obj in objs}) != len(objs) or len(set(lease_ids)) != len(lease_ids):
+            if len({obj.key for obj in objs}) != len(objs) or len(set(lease_ids)) != len(lease_ids):
                 raise InvalidArgument("the same handle or lease appears twice in one release")
             for obj in objs:
                 if obj.handoff:  # an explicit release ends the hand-off (a session's end keeps it)
@@ -599,7 +610,7 @@ class Registry:
         with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 _, kind, key = heapq.heappop(self._deadlines)
-                if kind == _LEASE:
+                if kind is _Deadline.LEASE:
                     lease = self._leases.get(key)
                     if lease is None or lease.quarantined or lease.expires_at > now:
                         continue
@@ -622,15 +633,15 @@ class Registry:
             # Released leases leave their deadline behind (lazy deletion); rebuild the heap when
             # such stale entries dominate, so memory follows what is live, not the TTL x rate.
             if len(self._deadlines) > 4 * (len(self._leases) + len(self._objects)) + 4096:
-                self._deadlines = [(lease.expires_at, _LEASE, lease.lease_id)
+                self._deadlines = [(lease.expires_at, _Deadline.LEASE, lease.lease_id)
                                    for lease in self._leases.values() if not lease.quarantined]
-                self._deadlines += [(o.hold_until, _HOLD, key) for key, o in self._objects.items() if o.hold_until]
+                self._deadlines += [(o.hold_until, _Deadline.HOLD, key) for key, o in self._objects.items() if o.hold_until]
                 heapq.heapify(self._deadlines)
 
-    def _quarantine(self, lease: Lease, session: Session) -> None:
+    def _quarantine(self, lease: LeaseRecord, session: Session) -> None:
         """A lease past its TTL whose holder lives: keep its bytes (a view may still read them)."""
         lease.quarantined = True
-        nbytes = self._objects[lease.offset].nbytes
+        nbytes = self._objects[lease.key].nbytes
         self._quarantined[lease.lease_id] = nbytes
         self.counters["quarantined_leases_total"] += 1
         _log.warning(
@@ -654,7 +665,7 @@ class Registry:
             infos = []
             for obj in self._objects.values():
                 infos.append(pb.ObjectInfo(
-                    offset=0 if obj.segment is not None else obj.offset, nbytes=obj.nbytes,
+                    offset=obj.offset, nbytes=obj.nbytes,
                     generation=obj.generation,
                     state="held" if obj.hold_until and not obj.handoff else obj.state.value, handoff=obj.handoff,
                     owner_session=obj.owner,
@@ -759,21 +770,18 @@ class Registry:
 
     def _add_loan(self, session: Session, obj: Allocation, response: pb.LoanResponse) -> None:
         """Register a new allocation as ``session``'s loan and name it in ``response``."""
-        self._objects[obj.offset] = obj
-        session.producer_refs.add(obj.offset)
+        self._objects[obj.key] = obj
+        session.producer_refs.add(obj.key)
         session.loaned_nbytes += obj.nbytes
         # Built in place in the response: a Handle built first would be copied into it again.
-        if obj.segment is not None:
-            name, offset = obj.segment.name, 0
-        else:
-            name, offset = self.segment_name, obj.offset
-        response.handles.add(name=name, offset=offset, nbytes=obj.nbytes, owner_id=obj.owner,
+        name = obj.segment.name if obj.segment is not None else self.segment_name
+        response.handles.add(name=name, offset=obj.offset, nbytes=obj.nbytes, owner_id=obj.owner,
                              generation=obj.generation, instance_id=self.instance_id)
         response.commit_tokens.append(obj.commit_token)
 
     def _mark_committed(self, obj: Allocation) -> None:
         obj.state = ObjState.COMMITTED
-        for waiter in self._commit_waiters.pop(obj.offset, ()):
+        for waiter in self._commit_waiters.pop(obj.key, ()):
             waiter.event.set()
         # The producer's reference now counts as committed bytes (by Commit, or by handoff in a
         # consumer's Acquire: then the producer is another session than the caller).
@@ -835,19 +843,19 @@ class Registry:
     def _drop_producer_ref(self, obj: Allocation, session: Session | None) -> int:
         obj.producer_ref = False
         if session is not None:
-            session.producer_refs.discard(obj.offset)
+            session.producer_refs.discard(obj.key)
             if obj.state is ObjState.LOANED:
                 session.loaned_nbytes -= obj.nbytes
             else:
                 session.committed_nbytes -= obj.nbytes
         return self._maybe_free(obj)
 
-    def _drop_lease(self, lease: Lease, session: Session | None) -> int:
+    def _drop_lease(self, lease: LeaseRecord, session: Session | None) -> int:
         del self._leases[lease.lease_id]
         self._quarantined.pop(lease.lease_id, None)
         if session is not None:
             session.leases.discard(lease.lease_id)
-        obj = self._objects[lease.offset]
+        obj = self._objects[lease.key]
         obj.leases.discard(lease.lease_id)
         return self._maybe_free(obj)
 
@@ -855,8 +863,8 @@ class Registry:
         """Free the bytes if nothing holds them any more; the number of bytes freed (0 if kept)."""
         if obj.producer_ref or obj.leases or obj.hold_until:
             return 0
-        del self._objects[obj.offset]
-        for waiter in self._commit_waiters.pop(obj.offset, ()):
+        del self._objects[obj.key]
+        for waiter in self._commit_waiters.pop(obj.key, ()):
             waiter.event.set()  # an Acquire waiting for this loan's commit fails now, not at its deadline
         if obj.segment is not None:
             # A stock reader may have unlinked the name already: Segment.unlink tolerates that.

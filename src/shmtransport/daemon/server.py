@@ -37,7 +37,7 @@ from ..v1 import daemon_pb2_grpc as pb_grpc
 from ..wire import MAX_BATCH, SESSION_METADATA_KEY
 from .config import DaemonConfig
 from .objects import ObjectBook
-from .registry import Limits, Registry
+from .registry import Registry, TenantLimits
 from .segments import (
     Segment,
     ShmReserve,
@@ -315,7 +315,7 @@ class Daemon:
             raise InvalidArgument("no tenant: allow at least one uid or group")
         arena_nbytes = cfg.resolved_arena_nbytes(len(specs))
         reserve = ShmReserve(default_shm_reserve_nbytes() if cfg.shm_reserve_nbytes is None else cfg.shm_reserve_nbytes)
-        limits = Limits(
+        limits = TenantLimits(
             quota_nbytes=cfg.quota_nbytes,
             quota_leases=cfg.quota_leases,
             default_lease_ttl_ms=cfg.default_lease_ttl_ms,
