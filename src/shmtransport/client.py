@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _call_sites, arena, objtable
 from ._backend import kernels
+from ._delayed import DelayedCall
 from .errors import (
     ClosedError,
     HandleError,
@@ -522,7 +523,7 @@ class _Client:
         self._deferred: list[_View] = []  # released by the caller, views still alive
         self._queued_handles: list[pb.Handle] = []
         self._queued_leases: list[int] = []
-        self._timer: threading.Timer | None = None
+        self._background = DelayedCall(self._flush_quietly, name=f"shmt-{type(self).__name__.lower()}-releases")
         self._closed = False
         self._tables: TableClient | None = None  # this session's side of the object table
         self._conn.ensure()
@@ -652,9 +653,8 @@ class _Client:
         leases = self._queued_leases[: MAX_BATCH - len(handles)]
         del self._queued_handles[: len(handles)]
         del self._queued_leases[: len(leases)]
-        if self._timer is not None and not self._queued_handles and not self._queued_leases:
-            self._timer.cancel()
-            self._timer = None
+        if not self._queued_handles and not self._queued_leases:
+            self._background.cancel()
         return pb.ReleaseRequest(handles=handles, lease_ids=leases)
 
     def _map_granted(self, shms: Sequence[pb.Handle], lease_ids: Sequence[int]) -> list[memoryview]:
@@ -719,22 +719,18 @@ class _Client:
             self._schedule_flush()
 
     def _schedule_flush(self) -> None:
+        """Ask the background thread for a flush: at once when many releases are queued, after
+        ``release_delay_s`` for a few, now and then while grants may go back (lock held)."""
         if len(self._queued_handles) + len(self._queued_leases) >= self.MAX_QUEUED_RELEASES:
-            threading.Thread(target=self._flush_quietly, daemon=True).start()
-        elif self._timer is None and (self._queued_handles or self._queued_leases or self._deferred):
-            self._timer = threading.Timer(self._release_delay_s, self._flush_quietly)
-            self._timer.daemon = True
-            self._timer.start()
-        elif self._timer is None and self._surplus_grants():
-            delay = 0.0 if self._tables.give_back else self.GRANT_RETURN_DELAY_S  # returns go at once
-            self._timer = threading.Timer(delay, self._flush_quietly)
-            self._timer.daemon = True
-            self._timer.start()
+            self._background.within(0.0)
+        elif self._queued_handles or self._queued_leases or self._deferred:
+            self._background.within(self._release_delay_s)
+        elif self._surplus_grants():
+            self._background.within(0.0 if self._tables.give_back else self.GRANT_RETURN_DELAY_S)
 
     def _flush_quietly(self) -> None:
-        """Timer path: nobody is there to catch an error, so log it."""
+        """Background path: nobody is there to catch an error, so log it."""
         with self._lock:
-            self._timer = None
             if self._closed:
                 return
             if self._deferred:
@@ -804,9 +800,7 @@ class _Client:
         finally:
             with self._lock:
                 self._closed = True
-                if self._timer is not None:
-                    self._timer.cancel()
-                    self._timer = None
+            self._background.stop()  # outside the lock: a background flush in progress needs it
             self._conn.disconnect()
 
     def __enter__(self):
