@@ -198,3 +198,19 @@ def test_an_interrupted_parallel_kernel_returns_only_once_no_thread_touches_the_
     with pytest.raises(KeyboardInterrupt):
         _native._over_chunks(64, 2, make_worker)
     assert inside[0] == 0
+
+
+@pytest.mark.parametrize("bad_call, builtin", [
+    (lambda k: k.xxh3_128("text"), TypeError),
+    (lambda k: k.copy(bytearray(3), bytes(4)), ValueError),
+    (lambda k: k.copy_tree_digest(bytearray(4), bytes(4), threads=0), ValueError),
+    (lambda k: k.copy_tree_digest(bytearray(4), bytes(4), threads=1.5), TypeError),
+    (lambda k: k.mask_popcount(bytes(1), 9), ValueError),
+    (lambda k: k.xxh3_128_many(b"one buffer"), TypeError),
+], ids=["str buffer", "size mismatch", "zero threads", "float threads", "short mask", "one buffer as many"])
+def test_kernel_errors_are_the_packages_typed_errors_and_still_the_builtin_kind(k, bad_call, builtin):
+    from shmtransport.errors import InvalidArgument, InvalidType
+
+    with pytest.raises(InvalidType if builtin is TypeError else InvalidArgument) as info:
+        bad_call(k)
+    assert isinstance(info.value, builtin)

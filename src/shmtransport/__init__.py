@@ -29,6 +29,7 @@ _EXPORTS = {
     "Reason": ".errors",
     "ShmTransportError": ".errors",
     "InvalidArgument": ".errors",
+    "InvalidType": ".errors",
     "HandleError": ".errors",
     "OwnershipError": ".errors",
     "StateError": ".errors",

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import __version__, _purepy
+from .errors import InvalidArgument, InvalidType
 from ._purepy import (_bools, _check_threads, _dst_src, _packed, _tree_root, _view, _window_args,
                       TREE_CHUNK_NBYTES)
 
@@ -63,7 +64,7 @@ def _check(rc: int, what: str) -> None:
         return
     if rc == lib.SHMT_ENOHASH:  # pragma: no cover - guarded by HAVE_XXH3
         raise RuntimeError(f"{what}: the C extension was built without XXH3")
-    raise ValueError(f"{what}: the C kernel rejected its arguments (code {rc})")
+    raise InvalidArgument(f"{what}: the C kernel rejected its arguments (code {rc})")
 
 
 def _ptr(view: memoryview):
@@ -117,7 +118,7 @@ def xxh3_128(buf: Any) -> bytes:
 
 def xxh3_128_many(bufs: Iterable[Any]) -> bytes:
     if isinstance(bufs, (bytes, bytearray, memoryview, str)):
-        raise TypeError("bufs must be an iterable of buffers, not a single buffer")
+        raise InvalidType("bufs must be an iterable of buffers, not a single buffer")
     stream = Xxh3Stream()
     for buf in bufs:
         stream._update_view(_view(buf, "bufs[i]"))

@@ -32,6 +32,8 @@ from typing import Any, Iterable
 import numpy as np
 import xxhash
 
+from .errors import InvalidArgument, InvalidType
+
 TREE_CHUNK_NBYTES = 1 << 20
 """Chunk size of tree mode (1 MiB). Part of the digest definition: changing it changes digests."""
 
@@ -50,20 +52,20 @@ __all__ = [
 def _view(buf: Any, name: str, writable: bool = False) -> memoryview:
     """A flat, C-contiguous byte view of ``buf``."""
     if isinstance(buf, str):
-        raise TypeError(f"{name} must be a bytes-like buffer, not str")
+        raise InvalidType(f"{name} must be a bytes-like buffer, not str")
     try:
         view = memoryview(buf)
     except TypeError:
-        raise TypeError(f"{name} must support the buffer protocol, got {type(buf).__name__}") from None
+        raise InvalidType(f"{name} must support the buffer protocol, got {type(buf).__name__}") from None
     if not view.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
+        raise InvalidArgument(f"{name} must be C-contiguous")
     if writable and view.readonly:
-        raise ValueError(f"{name} must be writable")
+        raise InvalidArgument(f"{name} must be writable")
     if view.format != "B" or view.ndim != 1:
         try:
             view = view.cast("B")
         except TypeError as exc:
-            raise TypeError(f"{name}: cannot view buffer as bytes ({exc})") from None
+            raise InvalidType(f"{name}: cannot view buffer as bytes ({exc})") from None
     return view
 
 
@@ -71,7 +73,7 @@ def _dst_src(dst: Any, src: Any) -> tuple[memoryview, memoryview]:
     s = _view(src, "src")
     d = _view(dst, "dst", writable=True)
     if d.nbytes != s.nbytes:
-        raise ValueError(f"dst has {d.nbytes} bytes but src has {s.nbytes}; they must be equal")
+        raise InvalidArgument(f"dst has {d.nbytes} bytes but src has {s.nbytes}; they must be equal")
     return d, s
 
 
@@ -79,23 +81,23 @@ def _check_threads(threads: Any) -> int | None:
     if threads is None:
         return None
     if isinstance(threads, bool):
-        raise TypeError("threads must be an int or None")
+        raise InvalidType("threads must be an int or None")
     try:
         threads = operator.index(threads)
     except TypeError:
-        raise TypeError(f"threads must be an int or None, got {type(threads).__name__}") from None
+        raise InvalidType(f"threads must be an int or None, got {type(threads).__name__}") from None
     if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+        raise InvalidArgument(f"threads must be >= 1, got {threads}")
     return threads
 
 
 def _check_int(value: Any, name: str) -> int:
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, not bool")
+        raise InvalidType(f"{name} must be an int, not bool")
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+        raise InvalidType(f"{name} must be an int, got {type(value).__name__}") from None
 
 
 def _packed(packed: Any, nbits: Any) -> tuple[memoryview, int]:
@@ -103,10 +105,10 @@ def _packed(packed: Any, nbits: Any) -> tuple[memoryview, int]:
     view = _view(packed, "packed")
     nbits = _check_int(nbits, "nbits")
     if nbits < 0:
-        raise ValueError(f"nbits must be >= 0, got {nbits}")
+        raise InvalidArgument(f"nbits must be >= 0, got {nbits}")
     needed = (nbits + 7) // 8
     if needed > view.nbytes:
-        raise ValueError(f"nbits={nbits} needs {needed} packed bytes but packed has {view.nbytes}")
+        raise InvalidArgument(f"nbits={nbits} needs {needed} packed bytes but packed has {view.nbytes}")
     return view[:needed], nbits
 
 
@@ -114,19 +116,19 @@ def _window_args(nbits: int, start: Any, end: Any) -> tuple[int, int]:
     start = _check_int(start, "start")
     end = _check_int(end, "end")
     if start < 0 or start > nbits:
-        raise ValueError(f"start={start} must be in [0, nbits={nbits}]")
+        raise InvalidArgument(f"start={start} must be in [0, nbits={nbits}]")
     if end < start or end > nbits:
-        raise ValueError(f"end={end} must be in [start={start}, nbits={nbits}]")
+        raise InvalidArgument(f"end={end} must be in [start={start}, nbits={nbits}]")
     return start, end
 
 
 def _bools(bools: Any) -> np.ndarray:
     arr = np.asarray(bools)
     if arr.ndim != 1:
-        raise ValueError(f"bools must be one-dimensional, got shape {arr.shape}")
+        raise InvalidArgument(f"bools must be one-dimensional, got shape {arr.shape}")
     if arr.dtype != np.bool_:
         if arr.dtype.kind not in "biuf" and arr.size:
-            raise TypeError(f"bools must hold booleans or numbers, got dtype {arr.dtype}")
+            raise InvalidType(f"bools must hold booleans or numbers, got dtype {arr.dtype}")
         arr = arr.astype(np.bool_)
     return np.ascontiguousarray(arr)
 
@@ -147,7 +149,7 @@ def xxh3_128(buf: Any) -> bytes:
 def xxh3_128_many(bufs: Iterable[Any]) -> bytes:
     """XXH3-128 of the concatenation of ``bufs``."""
     if isinstance(bufs, (bytes, bytearray, memoryview, str)):
-        raise TypeError("bufs must be an iterable of buffers, not a single buffer")
+        raise InvalidType("bufs must be an iterable of buffers, not a single buffer")
     h = xxhash.xxh3_128()
     for buf in bufs:
         h.update(_view(buf, "bufs[i]"))

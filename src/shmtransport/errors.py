@@ -59,6 +59,10 @@ class InvalidArgument(ShmTransportError, ValueError):
     default_reason = Reason.INVALID_ARGUMENT
 
 
+class InvalidType(InvalidArgument, TypeError):
+    """An argument of the wrong type (a kernel given a str for a buffer, a float for a count)."""
+
+
 class HandleError(ShmTransportError):
     """A handle that does not name bytes the caller may use (bad, stale, out of bounds)."""
 
