@@ -189,7 +189,7 @@ def test_a_loan_waits_for_space_freed_by_another_process_back_pressure_not_failu
             got = {}
             t = threading.Thread(target=lambda: got.setdefault("loan", patient.loan(MiB)))
             t.start()
-            time.sleep(0.2)
+            wait_until(lambda: daemon.stat().waiting_calls == 1, timeout_s=5, what="the loan waiting for space")
             assert "loan" not in got  # waiting, not failing
             child.send("release")
             t.join(TIMEOUT_S)

@@ -37,6 +37,7 @@ _GAUGES = {
     "dedicated_nbytes": "Bytes in dedicated segments (outside the arena)",
     "quota_nbytes": "Bytes the tenant may hold (arena and dedicated)",
     "allocations_per_s": "Allocations per second over the last 5 s",
+    "waiting_calls": "Calls waiting in the daemon: loans and grants for space, acquires for a commit",
 }
 _COUNTERS = {
     "allocations_total": "Allocations made",

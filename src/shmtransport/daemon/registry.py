@@ -22,6 +22,7 @@ a commit waits on the objects it names only: a commit wakes its own waiters, nev
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import heapq
@@ -181,6 +182,8 @@ class Registry:
         # memory and the cost of Stat stay proportional to the recent rate, not to uptime.
         self._alloc_times: collections.deque[float] = collections.deque()
         self.counters = collections.Counter()
+        self._waiting_lock = threading.Lock()  # taken with and without the registry lock
+        self._waiting_calls = 0
         self.objects = objects
 
     # -- sessions --------------------------------------------------------------------------------
@@ -267,7 +270,8 @@ class Registry:
                             self.counters["allocation_failures"] += 1
                         raise
                     # Orphans die without telling anyone (their consumers release in shared memory).
-                    self._freed.wait(min(remaining, 0.005))
+                    with self._waiting():
+                        self._freed.wait(min(remaining, 0.005))
 
     def _make_room(self) -> bool:
         """Free what the table lets go of without waiting (lock held): orphaned grants whose
@@ -307,7 +311,8 @@ class Registry:
                     if remaining <= 0 or total > min(self.allocator.nbytes, self.quota_nbytes):
                         self.counters["allocation_failures"] += 1
                         raise
-                    self._freed.wait(remaining)
+                    with self._waiting():
+                        self._freed.wait(remaining)
             response = pb.LoanResponse()
             for offset, nbytes in zip(offsets, sizes):
                 obj = Allocation(offset, nbytes, self._next_generation, session_id, commit_token=secrets.token_bytes(16))
@@ -530,7 +535,8 @@ class Registry:
                 self._commit_waiters.setdefault(obj.key, []).append(waiter)
             self._lock.release()
             try:
-                waiter.event.wait(remaining)
+                with self._waiting():
+                    waiter.event.wait(remaining)
             finally:
                 self._lock.acquire()
                 for obj in pending:
@@ -735,9 +741,21 @@ class Registry:
                 sessions_closed=c["sessions_closed"],
                 released_at_close_leases=c["released_at_close_leases"],
                 released_at_close_nbytes=c["released_at_close_nbytes"],
+                waiting_calls=self._waiting_calls,
             )
 
     # -- internals (lock held) -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _waiting(self):
+        """Counted in Stat's ``waiting_calls`` meanwhile."""
+        with self._waiting_lock:
+            self._waiting_calls += 1
+        try:
+            yield
+        finally:
+            with self._waiting_lock:
+                self._waiting_calls -= 1
+
     def _note_allocations(self, count: int) -> None:
         """Count ``count`` allocations made now: in the total, and in the window of allocations_per_s."""
         now = time.monotonic()
