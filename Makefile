@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-c test-python test-dist bench bench-quick chaos soak proto clean
+.PHONY: setup demo test lint test-c test-python test-dist bench bench-quick chaos soak proto clean
 
 setup: $(STAMP)
 
@@ -29,7 +29,10 @@ $(STAMP): pyproject.toml setup.py csrc/build_native.py $(wildcard csrc/*.c csrc/
 demo: setup
 	$(PY) -m shmtransport.demo $(ARGS)
 
-test: setup test-c test-python
+test: setup lint test-c test-python
+
+lint: setup
+	$(VENV)/bin/ruff check src tests tools benchmarks
 
 # SHMTRANSPORT_REQUIRE_EXTRAS: here every optional package is installed, so a test skipped for want
 # of one is a failure (in the fresh venvs of test-dist such tests skip).

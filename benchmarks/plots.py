@@ -261,13 +261,14 @@ def plot_scale(plt, report: dict) -> dict[str, Any]:
         panels = (
             (axes[0][0], life, lambda r: r["median_s"], lambda r: r["p99_s"], "4 KiB put -> acquire -> release",
              "daemon_vs_leases.lifecycle", True),
-            (axes[0][1], stat, lambda r: r["median_s"], lambda r: r["p99_s"], "Stat RPC", "daemon_vs_leases.stat", True),
+            (axes[0][1], stat, lambda r: r["median_s"], lambda r: r["p99_s"], "Stat RPC", "daemon_vs_leases.stat",
+             True),
             (axes[1][0], life, lambda r: r.get("daemon_rss_mb"), None, "daemon RSS (MB)",
              "daemon_vs_leases.daemon_rss", False),
             (axes[1][1], life, lambda r: r.get("daemon_cpu_us_per_lifecycle"), None,
              "daemon CPU per lifecycle (µs)", "daemon_vs_leases.daemon_cpu_per_lifecycle", False),
         )
-        for ax, sel, ymed, yp99, ylabel, key, seconds in panels:
+        for ax, sel, ymed, yp99, ylabel, key, _seconds in panels:
             xs = [r["params"]["leases"] for r in sel]
             ax.plot(xs, [ymed(r) for r in sel], marker="o", linewidth=2, label=_label("median" if yp99 else
                                                                                       ylabel, curves, key))

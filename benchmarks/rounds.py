@@ -70,7 +70,8 @@ def measure_size(report, sessions: dict, payload, digest: int, nbytes: int, roun
 def add_size_row(report, session, name: str, samples: list[float], ok: bool, nbytes: int, **extra) -> None:
     """One peer at one size: latency, throughput and the session's resource use over the timed rounds."""
     payload = name != "bare_rtt"  # the bare round trip moves no payload
-    extra["gbps" if payload else "payload_nbytes"] = round(nbytes / statistics.median(samples) / 1e9, 4) if payload else 0
+    extra["gbps" if payload else "payload_nbytes"] = (round(nbytes / statistics.median(samples) / 1e9, 4) if payload
+                                                      else 0)
     extra.update(session.usage.take(nbytes if payload else 0))
     report.add_row(name, samples, ok, size=size_label(nbytes), nbytes=nbytes, extra=extra)
 

@@ -101,7 +101,7 @@ def _warm_up_process_state():
     try:
         testing.warm_up_process_state()
     except Exception as exc:  # the daemon tests will say what is wrong; other tests still run
-        warnings.warn(f"could not warm up a daemon and client ({exc!r}): fd checks may over-report")
+        warnings.warn(f"could not warm up a daemon and client ({exc!r}): fd checks may over-report", stacklevel=2)
     # Everything imported at collection (torch, vLLM, ...) lives for the whole run: keep it out of
     # the collections the leak check runs around every test, which otherwise scan millions of
     # objects (about 0.5 s a test once vLLM is loaded).

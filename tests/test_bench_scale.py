@@ -2,10 +2,10 @@
 the plots of every suite shape (``benchmarks/suites/scale.py``, ``benchmarks/plots.py``)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -194,7 +194,8 @@ def test_daemon_vs_leases_holds_the_leases_it_reports(workdir):
     scale.daemon_vs_leases(report, (10, 300), lifecycles=10, workdir=workdir, stat_calls=3)
     rows = _rows(report, "daemon_vs_leases")
     assert [(r["name"], r["params"]["leases"]) for r in rows] == [
-        ("leases_lifecycle_4KiB", 10), ("leases_stat_rpc", 10), ("leases_lifecycle_4KiB", 300), ("leases_stat_rpc", 300)]
+        ("leases_lifecycle_4KiB", 10), ("leases_stat_rpc", 10), ("leases_lifecycle_4KiB", 300),
+        ("leases_stat_rpc", 300)]
     assert all(r["correct"] for r in rows)
     assert all(r["live_leases"] >= r["params"]["leases"] for r in rows)
     assert all(r["object_table"] is objtable.available() for r in rows)  # the daemon's default path

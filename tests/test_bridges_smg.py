@@ -23,7 +23,6 @@ from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.v1 import generate_pb2 as gpb
 
 
-
 def img(seed, offset, length=4, mask=None):
     rng = np.random.default_rng(seed)
     return FeatureItem("image", {"pixel_values": rng.standard_normal((2, 3), dtype=np.float32),

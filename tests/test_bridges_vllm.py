@@ -9,8 +9,7 @@ from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import InvalidArgument, ResourceExhausted
 from shmtransport.identity import grpc_mm_identity
 from shmtransport.protocol import frontend
-from shmtransport.protocol.bridges import Unrepresentable
-from shmtransport.protocol.bridges import vllm_grpc
+from shmtransport.protocol.bridges import Unrepresentable, vllm_grpc
 from shmtransport.protocol.bridges.capabilities import ServerInfoServicer, same_shm_namespace, server_info
 from shmtransport.protocol.folding import fold
 from shmtransport.protocol.items import FeatureItem

@@ -129,7 +129,8 @@ def test_ls_lists_every_live_object_with_its_state_owner_and_holders(make_daemon
         assert {c["session_id"] for c in listing["clients"]} == {producer.session_id, consumer.session_id}
         # Filters.
         assert [int(o["nbytes"]) for o in _cli_json("ls", "--socket", sock, "--state", "handoff")["objects"]] == [MiB]
-        assert [int(o["nbytes"]) for o in _cli_json("ls", "--socket", sock, "--min-size", "1.5M")["objects"]] == [2 * MiB]
+        assert [int(o["nbytes"])
+                for o in _cli_json("ls", "--socket", sock, "--min-size", "1.5M")["objects"]] == [2 * MiB]
         assert _cli_json("ls", "--socket", sock, "--pid", "1")["objects"] == []
         assert len(_cli_json("ls", "--socket", sock, "--session", consumer.session_id[:8])["objects"]) == 1
         assert [int(o["nbytes"]) for o in _cli_json("ls", "--socket", sock, "--limit", "1")["objects"]] == [2 * MiB]

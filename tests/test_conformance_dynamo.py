@@ -23,10 +23,13 @@ import pytest
 import torch
 from dynamo._core import compute_block_hash_for_seq
 from dynamo.common.multimodal.routing_utils import build_mm_routing_info_from_features
-from dynamo.vllm.multimodal_utils.request_processor import (_build_forwarded_mm_uuids, _get_modality_extra_values,
-                                                            _normalize_forwarded_mm_modality,
-                                                            _placeholder_range_from_extra_arg,
-                                                            mark_forwarded_mm_hashes_for_routing)
+from dynamo.vllm.multimodal_utils.request_processor import (
+    _build_forwarded_mm_uuids,
+    _get_modality_extra_values,
+    _normalize_forwarded_mm_modality,
+    _placeholder_range_from_extra_arg,
+    mark_forwarded_mm_hashes_for_routing,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.multimodal.inputs import PlaceholderRange as VllmPlaceholderRange

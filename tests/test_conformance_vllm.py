@@ -307,8 +307,9 @@ def test_placeholder_range_matches_vllm_under_its_idioms(offset, bits, length, w
     assert ours.get_num_embeds() == ref.get_num_embeds() == ours.num_embeds
     assert ours.extract_embeds_range() == ref.extract_embeds_range()
     for start, end in windows + [(0, length), (0, length + 1), (length, 0)]:
-        theirs = _outcome(lambda: ref.get_embeds_indices_in_range(start, end))
-        assert _outcome(lambda: ours.get_embeds_indices_in_range(start, end)) == theirs, (start, end)
+        theirs = _outcome(lambda start=start, end=end: ref.get_embeds_indices_in_range(start, end))
+        mine = _outcome(lambda start=start, end=end: ours.get_embeds_indices_in_range(start, end))
+        assert mine == theirs, (start, end)
     assert ours == PlaceholderRange(offset, length, ours.is_embed) and (ours == ref) is False
 
 

@@ -1,8 +1,8 @@
 """The daemon + client lifecycle with a real in-process daemon and real (spawned) client processes.
 
-Covers the lifetime rules of ``docs/design.md``: bytes live exactly as long as a producer reference, a lease or a hold; dead
-clients lose everything they held; TTLs reclaim; quotas and a full arena are typed errors that
-recover; views never outlive their lease silently.
+Covers the lifetime rules of ``docs/design.md``: bytes live exactly as long as a producer reference,
+a lease or a hold; dead clients lose everything they held; TTLs reclaim; quotas and a full arena
+are typed errors that recover; views never outlive their lease silently.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from shmtransport.testing import BlockingChild, open_fds, run_in_child, start_children, wait_until
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.errors import ClosedError, HandleError, IdentityMismatch, Reason, ResourceExhausted, StateError
+from shmtransport.testing import BlockingChild, open_fds, run_in_child, start_children, wait_until
 from shmtransport.v1 import daemon_pb2 as pb
 
 KiB = 1024
@@ -686,7 +686,7 @@ def test_released_lease_array_raises_closed_error(daemon):
         lease.release()
         assert lease.closed
         with pytest.raises(ClosedError) as info:
-            lease.array
+            _ = lease.array
         assert info.value.reason is Reason.VIEW_RELEASED
         with pytest.raises(ClosedError):
             lease.tensor()
@@ -705,7 +705,7 @@ def test_release_with_a_live_view_is_deferred_until_the_view_is_dropped(daemon):
         view = lease.array
         consumer.release([lease], wait=True)
         with pytest.raises(ClosedError):
-            lease.array
+            _ = lease.array
         consumer.stat()
         s = daemon.stat()
         assert s.live_leases == 1 and s.live_objects == 1  # the bytes cannot be reused under `view`
@@ -795,11 +795,12 @@ def test_acquires_waiting_for_a_missing_commit_do_not_stall_other_clients(make_d
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as waiting, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as other:
         loan = producer.loan(4096)  # never committed
+        handle = loan.handle
         errors = []
 
         def acquire_uncommitted():
             try:
-                waiting.acquire(loan.handle)
+                waiting.acquire(handle)
             except StateError as exc:
                 errors.append(exc.reason)
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from shmtransport import objtable
-from shmtransport.testing import SHM_DIR, remove_tree, short_tmpdir
 from shmtransport.client import Consumer, Producer
 from shmtransport.daemon import Daemon
 from shmtransport.errors import PermissionDenied, Reason, ResourceExhausted, Unavailable
+from shmtransport.testing import SHM_DIR, remove_tree, short_tmpdir
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -426,8 +426,10 @@ def test_a_symlink_another_uid_planted_in_a_1777_socket_directory_is_never_used(
     "config, dir_mode, dir_gid, socket_mode, nobody",
     [
         ({}, 0o700, 0, 0o600, {"list": "EACCES", "create": "EACCES", "connect": "EACCES"}),
-        ({"socket_group": "nogroup"}, 0o750, NOBODY, 0o660, {"list": "LISTED", "create": "EACCES", "connect": "CONNECTED"}),
-        ({"allowed_uids": (0, NOBODY)}, 0o711, 0, 0o666, {"list": "EACCES", "create": "EACCES", "connect": "CONNECTED"}),
+        ({"socket_group": "nogroup"}, 0o750, NOBODY, 0o660,
+         {"list": "LISTED", "create": "EACCES", "connect": "CONNECTED"}),
+        ({"allowed_uids": (0, NOBODY)}, 0o711, 0, 0o666,
+         {"list": "EACCES", "create": "EACCES", "connect": "CONNECTED"}),
     ],
     ids=["owner only", "socket group", "other uids allowed"],
 )

@@ -8,8 +8,15 @@ import vllm.multimodal.inputs as vllm_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmtransport.embedmask import (EmbedMask, PlaceholderRange, WindowOutOfRange, embeds_cumsum,
-                                    extract_embeds_range, get_embeds_indices_in_range, get_num_embeds)
+from shmtransport.embedmask import (
+    EmbedMask,
+    PlaceholderRange,
+    WindowOutOfRange,
+    embeds_cumsum,
+    extract_embeds_range,
+    get_embeds_indices_in_range,
+    get_num_embeds,
+)
 from shmtransport.errors import InvalidArgument
 
 VLLM_EXAMPLE = [False, True, False, True, True]

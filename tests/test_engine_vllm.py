@@ -156,7 +156,8 @@ def test_worker_refuses_bytes_that_do_not_match_their_identity(vllm_session):
     mm_hashes blindly and would answer from its cache)."""
     from shmtransport.errors import IdentityMismatch, error_from_status
     from shmtransport.protocol.frontend import NO_INLINE, build_request
-    from shmtransport.v1 import generate_pb2 as gpb, generate_pb2_grpc as gpb_grpc
+    from shmtransport.v1 import generate_pb2 as gpb
+    from shmtransport.v1 import generate_pb2_grpc as gpb_grpc
 
     s = vllm_session
     prompt = s["scenarios"]["single-image"]

@@ -100,7 +100,7 @@ print('OK free_blocks', free)
 
 
 @pytest.mark.skipif(not CAN_UNSHARE, reason="needs root and unshare -m to mount a small /dev/shm")
-def test_a_dev_shm_filled_by_someone_else_after_start_cannot_sigbus_the_reserved_arena_and_new_daemons_get_a_typed_error():
+def test_dev_shm_filled_by_someone_else_after_start_cannot_sigbus_the_reserved_arena_and_new_daemons_get_typed_errors():
     r = _in_small_shm(SMALL_SHM_FULL_SCRIPT)
     assert r.returncode != -signal.SIGBUS, "SIGBUS"
     assert r.returncode == 0, (r.returncode, r.stdout[-1000:], r.stderr[-3000:])

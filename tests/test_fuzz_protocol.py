@@ -30,6 +30,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="FUZZ_EXAMPLES
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CORPUS = pathlib.Path(__file__).parent / "fuzz_corpus"
 SMALL_LIMITS = Limits(msgpack_max_nodes=512, msgpack_max_depth=8, max_fields=8)
+DEFAULT_LIMITS = Limits()
 
 
 def valid_item_bytes() -> bytes:
@@ -43,7 +44,7 @@ def valid_envelope() -> dict:
 
 
 # -- the invariant, checked the same way for fuzzed and corpus inputs ------------------------------
-def check_kwargs(raw: bytes, limits: Limits = Limits()) -> str:
+def check_kwargs(raw: bytes, limits: Limits = DEFAULT_LIMITS) -> str:
     """Typed error or a decoded item whose every tensor's bytes match its dtype and shape."""
     try:
         out = decode_kwargs_item(raw, limits)

@@ -129,7 +129,8 @@ def test_many_tiny_objects_get_denser_grants_instead_of_filling_the_arena_with_e
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
         handles = []
         for start in range(0, count, 4096):
-            handles += producer.put_many([np.full(64, i % 251, np.uint8) for i in range(start, min(count, start + 4096))])
+            handles += producer.put_many([np.full(64, i % 251, np.uint8)
+                                          for i in range(start, min(count, start + 4096))])
         s = daemon.stat()
         assert s.live_objects == count and s.allocation_failures == 0
         assert 0 < s.table_objects < count  # the table's share, the rest kept by the daemon

@@ -135,7 +135,8 @@ def _golden_items() -> list[dict]:
         {"name": "larger_than_tree_chunk", "modality": "image",
          "tensors": [{"key": "pixel_values", "dtype": "uint8", "shape": [C + 12345], "seed": 7,
                       "nbytes": C + 12345},
-                     {"key": "image_sizes", "dtype": "int64", "shape": [2], "hex": np.array([448, 448], "<i8").tobytes().hex()}]},
+                     {"key": "image_sizes", "dtype": "int64", "shape": [2],
+                      "hex": np.array([448, 448], "<i8").tobytes().hex()}]},
     ]
 
 

@@ -11,8 +11,16 @@ from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.protocol import frontend, routing, worker
 from shmtransport.protocol.items import FeatureItem
-from shmtransport.protocol.kv_routing import (XXH3_SEED, RoutingItem, block_hashes, items_from_engine_inputs,
-                                              items_from_request, routing_identity, salt_seed, sequence_hashes)
+from shmtransport.protocol.kv_routing import (
+    XXH3_SEED,
+    RoutingItem,
+    block_hashes,
+    items_from_engine_inputs,
+    items_from_request,
+    routing_identity,
+    salt_seed,
+    sequence_hashes,
+)
 
 IMG, AUD, TXT = 32000, 32001, 7
 BS = 4
@@ -121,7 +129,8 @@ def test_maskless_nonuniform_span_falls_back():
 def test_other_ambiguous_layouts_fall_back():
     m = RoutingItem("image", 2, 4, None, "xxh3-128:" + "ab" * 16)
     tokens = [IMG] * 8
-    assert routing_identity(tokens, [m, RoutingItem("image", 4, 2, None, m.mm_hash)]).fallback_reason.startswith("overlapping")
+    assert routing_identity(tokens, [m, RoutingItem("image", 4, 2, None, m.mm_hash)]).fallback_reason.startswith(
+        "overlapping")
     assert "outside" in routing_identity(tokens, [RoutingItem("image", 6, 4, None, m.mm_hash)]).fallback_reason
     assert "no identity" in routing_identity(tokens, [RoutingItem("image", 2, 4, None, "")]).fallback_reason
 

@@ -7,10 +7,10 @@ import gc
 import numpy as np
 import pytest
 import torch
+from helpers import run_in_child
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import run_in_child
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason

@@ -45,7 +45,8 @@ def test_decoded_tensors_are_zero_copy_views_of_the_payload():
 
 def test_int_float_and_list_data_decode_into_values_not_tensors():
     """vLLM's NestedTensors: field data may be an int, a float or a list (of tensors, numbers, lists)."""
-    raw = encode_kwargs_item({"n": 3, "pixel_values": np.ones(2, np.float32), "frames": [np.zeros(1, np.uint8), 0.5, []]})
+    raw = encode_kwargs_item({"n": 3, "pixel_values": np.ones(2, np.float32),
+                              "frames": [np.zeros(1, np.uint8), 0.5, []]})
     d = decode_kwargs_item(raw)
     assert list(d.values) == ["n", "pixel_values", "frames"] and list(d.tensors) == ["pixel_values"]
     assert d.values["n"] == 3 and d.values["frames"][1:] == [0.5, []] and d.non_tensor_keys == ["n", "frames"]
@@ -73,7 +74,8 @@ def test_malformed_non_tensor_data_gets_a_typed_error(data, match):
 def test_non_tensor_data_needs_flat_dim_0_and_the_depth_limit_holds():
     with pytest.raises(InvalidArgument, match="non-tensor data"):
         decode_kwargs_item(_raw([1, 2], ("flat", {"keep_on_cpu": False, "slices": [[0, 1, None]], "dim": 1})))
-    assert decode_kwargs_item(_raw([1, 2], ("flat", {"keep_on_cpu": False, "slices": [], "dim": 0}))).values == {"k": [1, 2]}
+    assert decode_kwargs_item(
+        _raw([1, 2], ("flat", {"keep_on_cpu": False, "slices": [], "dim": 0}))).values == {"k": [1, 2]}
     nested = 1
     for _ in range(40):
         nested = [nested]

@@ -60,7 +60,8 @@ def _nixl_importable() -> bool:
 
 
 NIXL_OK = _nixl_importable()
-needs_nixl = pytest.mark.skipif(not NIXL_OK, reason=f"NIXL cannot be imported here ({remote.EXTRA_HINT} to run these tests)")
+needs_nixl = pytest.mark.skipif(not NIXL_OK,
+                                reason=f"NIXL cannot be imported here ({remote.EXTRA_HINT} to run these tests)")
 TIMEOUT_S = 60
 MiB = 1 << 20
 ARENA_NBYTES = 32 * MiB
@@ -83,13 +84,14 @@ def host_two_nodes(conn, remote_kwargs: dict | None = None):
     daemons = []
     try:
         for ns in ("test-node-a", "test-node-b"):
-            daemons.append(testing.start_daemon(arena_nbytes=ARENA_NBYTES,
-                                                shm_namespace=ns, extensions=[remote_extension(**(remote_kwargs or {}))]))
+            daemons.append(testing.start_daemon(arena_nbytes=ARENA_NBYTES, shm_namespace=ns,
+                                                extensions=[remote_extension(**(remote_kwargs or {}))]))
         a, b = daemons
         with Producer(a.socket_path) as producer, Consumer(b.socket_path) as local_consumer:
             exporter = RemoteExporter(producer)
             handles = []
-            conn.send(("ready", b.socket_path, exporter.info.endpoint, namespace_of(producer), namespace_of(local_consumer)))
+            conn.send(("ready", b.socket_path, exporter.info.endpoint, namespace_of(producer),
+                       namespace_of(local_consumer)))
             while True:
                 msg = conn.recv()
                 cmd, *args = (msg,) if isinstance(msg, str) else msg
@@ -345,7 +347,9 @@ def test_descriptor_checks_transport_version_and_nbytes_before_any_rpc():
         setattr(bad, field, value)
         with pytest.raises(InvalidArgument, match=match):
             descriptor.decode(bad)
-    wrong_shape = pb.TensorHandle(); wrong_shape.CopyFrom(t); wrong_shape.shape[:] = [5]
+    wrong_shape = pb.TensorHandle()
+    wrong_shape.CopyFrom(t)
+    wrong_shape.shape[:] = [5]
     with pytest.raises(InvalidArgument, match="bytes"):
         descriptor.decode(descriptor.encode(wrong_shape, "127.0.0.1:1", "agent", "ns"))
 
@@ -392,7 +396,9 @@ def test_forged_descriptor_tampered_bytes_and_gone_peer_give_typed_errors_and_re
     tampered = variant(lambda d: setattr(d.tensor, "digest", bytes(16)))
     gone = variant(lambda d: setattr(d, "endpoint", "127.0.0.1:1"))  # nothing listens there
     other_offset = variant(lambda d: setattr(d.tensor.shm, "offset", d.tensor.shm.offset + 4096))
-    mismatch = fpb.RemoteTensorHandle(); mismatch.CopyFrom(good); mismatch.nbytes += 4
+    mismatch = fpb.RemoteTensorHandle()
+    mismatch.CopyFrom(good)
+    mismatch.nbytes += 4
     # An object-table slot where nothing was ever placed (or, without a table, any slot at all)
     empty_slot = variant(lambda d: setattr(d.tensor.shm, "slot", d.tensor.shm.slot + 1))
     results = run_in_child(child_read_expect_errors,

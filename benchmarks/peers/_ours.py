@@ -34,8 +34,8 @@ def client():
 
 
 def _daemon_main(socket_path: str, arena_nbytes: int, conn) -> None:
-    import traceback
     import multiprocessing as mp
+    import traceback
 
     daemon = None
     try:

@@ -65,7 +65,8 @@ STOP = b"stop"
 MAX_PACKET = 1 << 16
 
 
-def _producer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
+def _producer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tensors: int, nbytes: int,
+                   seed: int) -> None:
     client = None
     sock = sockets[0]
     sockets[1].close()
@@ -103,7 +104,8 @@ def _producer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tenso
         peer.close()
 
 
-def _consumer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tensors: int, nbytes: int, seed: int) -> None:
+def _consumer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tensors: int, nbytes: int,
+                   seed: int) -> None:
     client = None
     sock = sockets[1]
     sockets[0].close()
@@ -211,7 +213,7 @@ def _run_pairs(producer_target, consumer_target, endpoint, pairs: int, tensors: 
                 procs.append((proc, ctl_parent, role))
             prod_peer.close()
             cons_peer.close()
-        for proc, ctl, role in procs:
+        for _proc, ctl, role in procs:
             wait_reply(ctl, START_TIMEOUT_S, f"lifecycle {role}")
         producers = [(p, c) for p, c, role in procs if role == "producer"]
         for _, ctl in producers:
@@ -229,7 +231,7 @@ def _run_pairs(producer_target, consumer_target, endpoint, pairs: int, tensors: 
                     pending.remove(item)
             if time.monotonic() > deadline:
                 raise TimeoutError("lifecycle producers did not finish")
-        for proc, ctl, role in procs:
+        for _proc, ctl, role in procs:
             if role == "consumer":
                 wait_reply(ctl, REPLY_TIMEOUT_S, "lifecycle consumer")
         return results, peak

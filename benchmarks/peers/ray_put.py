@@ -2,8 +2,8 @@
 
 Start (untimed, once per session, i.e. once per suite run): ``ray.init`` of a local one-node cluster
 (one CPU, no dashboard, an object store of 4x the suite's largest payload, its session and logs in a
-temp dir under /tmp, every address on loopback: see ``import_package``), then one actor: a worker process the raylet starts,
-which is the consumer. The benchmark process is the driver (the producer).
+temp dir under /tmp, every address on loopback: see ``import_package``), then one actor: a worker
+process the raylet starts, which is the consumer. The benchmark process is the driver (the producer).
 
 Timed: ``ray.put(payload)`` (one copy into the store) -> ``actor.hold.remote(ref)``: Ray resolves the
 ref in the actor's process to a zero-copy read-only numpy array over the plasma object, the actor

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 import blake3
 import numpy as np
 import xxhash
-
 from harness import Report, time_alternating
 
 from shmtransport import _native as N
@@ -181,11 +180,13 @@ def _hashes(report: Report, repeat: int, slow_repeat: int) -> None:
     got: dict[str, bytes] = {}
     other = {
         "blake3_1thread": lambda: got.__setitem__("b1", blake3.blake3(buf, max_threads=1).digest()),
-        "blake3_all_threads": lambda: got.__setitem__("ba", blake3.blake3(buf, max_threads=blake3.blake3.AUTO).digest()),
+        "blake3_all_threads": lambda: got.__setitem__("ba",
+                                                      blake3.blake3(buf, max_threads=blake3.blake3.AUTO).digest()),
         "sha256_hashlib": lambda: got.__setitem__("sha", hashlib.sha256(buf).digest()),
     }
     osamples = time_alternating(other, repeat=slow_repeat, warmup=1)
-    checks = {"blake3_1thread": got["b1"] == b3, "blake3_all_threads": got["ba"] == b3, "sha256_hashlib": got["sha"] == sha}
+    checks = {"blake3_1thread": got["b1"] == b3, "blake3_all_threads": got["ba"] == b3,
+              "sha256_hashlib": got["sha"] == sha}
     for name, s in osamples.items():
         report.add_row(name, s, checks[name], nbytes=n, extra={"gbps": _gbps(n, s)})
 

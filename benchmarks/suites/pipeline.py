@@ -41,7 +41,6 @@ import time
 import traceback
 
 import numpy as np
-
 from harness import Report
 
 MiB = 1 << 20

@@ -65,12 +65,13 @@ def _reader_main(conn, inline_addr: str, items: list, plan: dict) -> None:
                 key = str(nbytes).encode()
                 got = {}
 
-                def nixl():
+                def nixl(remote_blob=remote_blob, got=got, digest=digest):
                     buf = reader.read(remote_blob)
-                    got["nixl"] = kernels.tree_digest(memoryview(buf._memory)) == digest if "nixl" not in got else got["nixl"]
+                    got["nixl"] = (kernels.tree_digest(memoryview(buf._memory)) == digest if "nixl" not in got
+                                   else got["nixl"])
                     buf.release()
 
-                def inline():
+                def inline(key=key, got=got, digest=digest):
                     data = get(key, timeout=60)
                     arr = np.frombuffer(data, dtype=np.uint8)
                     if "inline" not in got:
@@ -146,7 +147,7 @@ def run(quick: bool) -> Report:
                     row["gbps"] = nbytes / row["median_s"] / 1e9
                 report.rows[-2]["reader_stats"] = stats
             producer.release(list(handles.values()), wait=True)
-            del views
+            views.clear()
     finally:
         if server is not None:
             server.stop(0)
@@ -156,6 +157,7 @@ def run(quick: bool) -> Report:
         report.ratios[f"remote_inline_speedup_{_label(nbytes)}"] = round(ratio, 3)
     report.targets["remote_inline_speedup_64MiB"] = ">= 5"
     report.notes.append(f"UCX env {ucx_env}; receive pool 4 x {SLOT_NBYTES >> 20} MiB (larger reads use a buffer "
-                        f"registered for them, kept for reuse); {'quick' if quick else 'full'} run in {time.perf_counter() - started:.1f} s")
+                        f"registered for them, kept for reuse); {'quick' if quick else 'full'} run in "
+                        f"{time.perf_counter() - started:.1f} s")
     report.notes.append("one machine: UCX may move the bytes through shared memory (sm/cma) rather than TCP")
     return report

@@ -287,7 +287,8 @@ def throughput_vs_pairs(report: Report, pairs_list: tuple[int, ...], duration_s:
                              "gbps": round(result["lifecycles_per_s"] * request_nbytes / 1e9, 4)}
                     if cpu0 is not None:
                         count = len(result["samples"])
-                        extra["daemon_cpu_us_per_lifecycle"] = round((process_cpu_s(daemon.pid) - cpu0) / count * 1e6, 1)
+                        extra["daemon_cpu_us_per_lifecycle"] = round((process_cpu_s(daemon.pid) - cpu0) / count * 1e6,
+                                                                     1)
                 except Exception:  # noqa: BLE001
                     report.notes.append(f"ERROR {name} at {pairs} pairs; no row:\n" + traceback.format_exc(limit=8))
                     continue

@@ -20,9 +20,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import __version__, _purepy
+from ._purepy import TREE_CHUNK_NBYTES, _bools, _check_threads, _dst_src, _packed, _tree_root, _view, _window_args
 from .errors import InvalidArgument, InvalidType
-from ._purepy import (_bools, _check_threads, _dst_src, _packed, _tree_root, _view, _window_args,
-                      TREE_CHUNK_NBYTES)
 
 
 def _load_extension():

@@ -235,7 +235,7 @@ class Worker:
             return self.conn.recv()
         except EOFError:
             self.process.join(2)
-            raise ChildDied(f"{self.role} worker {self.process.pid} died (exit code {self.process.exitcode})")
+            raise ChildDied(f"{self.role} worker {self.process.pid} died (exit code {self.process.exitcode})") from None
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -594,7 +594,8 @@ class Chaos:
             self.baseline = {"fds": self.daemon.fds(), "rss_kib": self.daemon.rss_kib(), "pid": self.daemon.pid}
         elif self.baseline is not None:
             self.max_growth["fds"] = max(self.max_growth["fds"], self.daemon.fds() - self.baseline["fds"])
-            self.max_growth["rss_kib"] = max(self.max_growth["rss_kib"], self.daemon.rss_kib() - self.baseline["rss_kib"])
+            self.max_growth["rss_kib"] = max(self.max_growth["rss_kib"],
+                                             self.daemon.rss_kib() - self.baseline["rss_kib"])
 
     def final_check(self) -> dict:
         """All workers connected, the daemon settled: fds and RSS back to this instance's baseline."""
@@ -677,7 +678,8 @@ def run_soak(soak_s: float, seed: int = 0, **kwargs) -> dict:
         first, last = windows[0]["transfers_per_s"], windows[-1]["transfers_per_s"]
         report["last_over_first_throughput"] = round(last / first, 3) if first else None
         if first and abs(last / first - 1) > 0.10:
-            report["failures"].append(f"throughput of the last window {last}/s is not within 10 % of the first {first}/s")
+            report["failures"].append(f"throughput of the last window {last}/s is not within 10 % of the first "
+                                      f"{first}/s")
         if rss and rss[-1] - rss[0] > RSS_SLACK_KIB:
             report["failures"].append(f"daemon RSS grew from {rss[0]} KiB to {rss[-1]} KiB during the soak")
     return report

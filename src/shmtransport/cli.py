@@ -252,7 +252,8 @@ def _run_health(args: argparse.Namespace) -> int:
             check = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="shmtransport.v1.Daemon"), timeout=args.timeout_s)
         if check.status != health_pb2.HealthCheckResponse.SERVING:
-            raise ShmTransportError(f"the daemon reports {health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)}")
+            raise ShmTransportError("the daemon reports "
+                                    f"{health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)}")
         with Consumer(args.socket, timeout_s=args.timeout_s) as client:
             s = client.stat()
             _without_session(s.clients, client.session_id)

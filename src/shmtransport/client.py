@@ -1165,7 +1165,8 @@ class Consumer(_Client):
                 if not shm.slot or shm.name != mapping.name:
                     continue  # not this tenant's table: the daemon answers (e.g. another tenant's)
                 if shm.offset + shm.nbytes > mapping.nbytes:
-                    raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena", Reason.OUT_OF_BOUNDS)
+                    raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena",
+                                      Reason.OUT_OF_BOUNDS)
                 tables.acquire(shm.slot - 1, shm.generation, shm.offset, shm.nbytes)
                 lease = Lease(self, h, mapping.view(shm.offset, shm.nbytes)[:sizes[i]], 0, tables)
                 taken.append(lease)

@@ -191,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         media = Media(real)
         render_s = time.perf_counter() - t0
+        renderer_name = ("Qwen2-VL image processor + Whisper feature extractor" if real
+                         else "synthetic tensors (no transformers)")
         print(f"shmtransport demo (kernels: {BACKEND}): daemon pid {daemon.pid}, worker pid {worker.pid} "
               f"({worker.ready_line.split('device')[-1].split('pid')[0].strip()}); renderer: "
-              f"{'Qwen2-VL image processor + Whisper feature extractor' if real else 'synthetic tensors (no transformers)'}"
+              f"{renderer_name}"
               f" ({render_s:.1f} s)")
         results: dict[tuple[str, str], list] = {}
         total = len(KINDS) * (rounds + 1) * 2 + 2

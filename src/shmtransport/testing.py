@@ -235,7 +235,7 @@ def start_children(fn: Callable, arg_list: list[tuple], timeout_s: float = DEFAU
                 proc.join(5)
                 raise ChildError(f"{fn.__name__}: child {proc.pid} died without an answer ({proc.exitcode})") from None
     finally:
-        for proc, parent in procs:
+        for _proc, parent in procs:
             parent.close()
         for proc, _ in procs:
             _join_or_kill(proc, 5)

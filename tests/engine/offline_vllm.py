@@ -19,8 +19,14 @@ from shmtransport.engine import environment, process
 def _prompt(meta: dict, arrays: dict):
     import torch
     from vllm.inputs.engine import mm_input
-    from vllm.multimodal.inputs import (MultiModalBatchedField, MultiModalFieldElem, MultiModalFlatField,
-                                        MultiModalKwargsItem, MultiModalKwargsItems, PlaceholderRange)
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFieldElem,
+        MultiModalFlatField,
+        MultiModalKwargsItem,
+        MultiModalKwargsItems,
+        PlaceholderRange,
+    )
 
     items, hashes, placeholders = {}, {}, {}
     for i, item in enumerate(meta["items"]):

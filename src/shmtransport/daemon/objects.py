@@ -189,7 +189,8 @@ class ObjectBook:
         taken = 0
         for grant in self._grants.values():
             if grant.session_id is not None and self.table.grant_cas(
-                    grant.first_slot, grant_word(grant.grant_id, GRANT_PARKED), grant_word(grant.grant_id, GRANT_TAKEN)):
+                    grant.first_slot, grant_word(grant.grant_id, GRANT_PARKED),
+                    grant_word(grant.grant_id, GRANT_TAKEN)):
                 # Freed like an orphan, once its objects are dead: a parked grant has none, unless
                 # its producer broke the protocol, and then the bytes wait for those objects.
                 grant.session_id = None

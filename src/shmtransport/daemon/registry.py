@@ -1,7 +1,8 @@
 """One tenant's book of who holds which bytes: allocations, leases, sessions, TTLs and quotas.
 
-Lifetime (``docs/design.md``, lifetime rules): a producer ``loan``s (the allocation is owned by its session, writable, not
-visible), ``commit``s (sealed; consumers may ``acquire`` leases), and ``release``s its reference.
+Lifetime (``docs/design.md``, lifetime rules): a producer ``loan``s (the allocation is owned by its
+session, writable, not visible), ``commit``s (sealed; consumers may ``acquire`` leases), and
+``release``s its reference.
 Bytes go back to the allocator when no producer reference, no lease and no hold remain. A session
 that dies loses every reference and lease it held. Holds expire by TTL. A lease that outlives its
 TTL while its session is alive is *quarantined*, not freed: the client may still hold a view of the
@@ -315,7 +316,8 @@ class Registry:
                         self._freed.wait(remaining)
             response = pb.LoanResponse()
             for offset, nbytes in zip(offsets, sizes):
-                obj = Allocation(offset, nbytes, self._next_generation, session_id, commit_token=secrets.token_bytes(16))
+                obj = Allocation(offset, nbytes, self._next_generation, session_id,
+                                 commit_token=secrets.token_bytes(16))
                 self._next_generation += 1
                 self._add_loan(session, obj, response)
             self._note_allocations(len(sizes))
@@ -641,7 +643,8 @@ class Registry:
             if len(self._deadlines) > 4 * (len(self._leases) + len(self._objects)) + 4096:
                 self._deadlines = [(lease.expires_at, _Deadline.LEASE, lease.lease_id)
                                    for lease in self._leases.values() if not lease.quarantined]
-                self._deadlines += [(o.hold_until, _Deadline.HOLD, key) for key, o in self._objects.items() if o.hold_until]
+                self._deadlines += [(o.hold_until, _Deadline.HOLD, key)
+                                    for key, o in self._objects.items() if o.hold_until]
                 heapq.heapify(self._deadlines)
 
     def _quarantine(self, lease: LeaseRecord, session: Session) -> None:

@@ -305,7 +305,8 @@ class Daemon:
     def _create_tenants(self) -> None:
         """One arena and registry per allowed uid and group, all reserved before anything is served."""
         cfg = self.config
-        specs: list[tuple[str, int | None, int | None]] = [(f"uid:{uid}", uid, None) for uid in dict.fromkeys(cfg.allowed_uids)]
+        specs: list[tuple[str, int | None, int | None]] = [(f"uid:{uid}", uid, None)
+                                                           for uid in dict.fromkeys(cfg.allowed_uids)]
         for name in cfg.allowed_groups:
             try:
                 specs.append((f"group:{name}", None, grp.getgrnam(name).gr_gid))

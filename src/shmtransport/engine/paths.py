@@ -11,11 +11,11 @@ Host copies of tensor bytes between the renderer's output and the engine's input
 ``mm_input``), by path, counting our side and the server's (vLLM's own process hops come after this
 point and are the same for every path):
 
-| path | copies |
-|---|---|
-| ours (shm) | 1: ``put`` into the arena, digest fused (0 for a tensor rendered into a loan) |
-| stock, shm | 5: into the request inline (1), the bridge's copy out of the request (1), ``put`` into a dedicated segment (1), the server's ``pread`` (1) and ``bytearray`` (1); +1 cast for float tensors |
-| stock, inline | 4: serialise (1), the bridge's copy (1), the server's parse (1) and ``bytearray`` (1); +1 cast for float tensors |
+- ours (shm): 1: ``put`` into the arena, digest fused (0 for a tensor rendered into a loan)
+- stock, shm: 5: into the request inline (1), the bridge's copy out of the request (1), ``put`` into
+  a dedicated segment (1), the server's ``pread`` (1) and ``bytearray`` (1); +1 cast for float tensors
+- stock, inline: 4: serialise (1), the bridge's copy (1), the server's parse (1) and ``bytearray``
+  (1); +1 cast for float tensors
 """
 from __future__ import annotations
 

@@ -61,8 +61,12 @@ def vllm_field(config):
 def engine_prompt(prompt_token_ids: list[int], inputs) -> dict[str, Any]:
     """``EngineInputs`` (zero-copy views) -> vLLM's ``mm_input``."""
     from vllm.inputs.engine import mm_input
-    from vllm.multimodal.inputs import (MultiModalFieldElem, MultiModalKwargsItem, MultiModalKwargsItems,
-                                        PlaceholderRange)
+    from vllm.multimodal.inputs import (
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        MultiModalKwargsItems,
+        PlaceholderRange,
+    )
 
     items: dict[str, list] = {}
     placeholders: dict[str, list] = {}

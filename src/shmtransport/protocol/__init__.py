@@ -12,7 +12,7 @@ Modules, one job each:
   identity fused.
 - ``worker``: typed request -> engine-ready inputs (zero-copy torch views), identity verification.
 """
-from .limits import Limits, MODALITIES
 from .items import FeatureItem, FieldConfig
+from .limits import MODALITIES, Limits
 
 __all__ = ["Limits", "MODALITIES", "FeatureItem", "FieldConfig"]

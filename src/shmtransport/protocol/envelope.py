@@ -20,11 +20,17 @@ from typing import Any, Sequence
 from ..embedmask import EmbedMask, PlaceholderRange
 from ..errors import InvalidArgument
 from ..identity import TENSOR_SCHEMES
+from .items import FeatureItem
 from .limits import DEFAULT_LIMITS, Limits
 from .msgpack_kwargs import decode_kwargs_item
-from .items import FeatureItem
-from .validate import (check_hash, check_modality_name, check_placeholders, check_position,
-                       check_routing_markers, limit_exceeded)
+from .validate import (
+    check_hash,
+    check_modality_name,
+    check_placeholders,
+    check_position,
+    check_routing_markers,
+    limit_exceeded,
+)
 
 ENVELOPE_KEYS = ("mm_hashes", "mm_placeholders", "kwargs_data")
 _PLACEHOLDER_KEYS = {"offset", "length", "is_embed"}

@@ -64,8 +64,8 @@ class InlinePolicy:
 DEFAULT_INLINE = InlinePolicy()
 NO_INLINE = InlinePolicy(0, 0)
 
-__all__ = ["BuiltRequest", "build_request", "InlinePolicy", "DEFAULT_INLINE", "NO_INLINE", "request_from_envelope", "routing_metadata", "placeholder_to_proto",
-           "placeholder_to_json", "MODES"]
+__all__ = ["BuiltRequest", "build_request", "InlinePolicy", "DEFAULT_INLINE", "NO_INLINE", "request_from_envelope",
+           "routing_metadata", "placeholder_to_proto", "placeholder_to_json", "MODES"]
 
 
 class BuiltRequest:

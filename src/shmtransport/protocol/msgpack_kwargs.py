@@ -22,8 +22,9 @@ truncation, trailing bytes: the checks of vLLM's gateway), then ``msgpack.unpack
 ``ext_hook`` that accepts only ext type 3 (RAW_VIEW). msgpack-python hands ext payloads to the hook
 as fresh ``bytes`` (a copy), so the preflight records each Ext(3) payload's span and msgpack decodes
 a skeleton in which each payload is replaced by an 8-byte span index: tensors are zero-copy
-memoryviews of the input, and the only copy of their bytes is the one into shared memory. Pickle exts (1, 2) and aux-frame index
-references are rejected; nothing is ever unpickled. Data values are the gateway's
+memoryviews of the input, and the only copy of their bytes is the one into shared memory. Pickle
+exts (1, 2) and aux-frame index references are rejected; nothing is ever unpickled. Data values are
+the gateway's
 ``NestedTensorValue``: a tensor, an int (i64), a float or a list of these; bool, nil and str are not.
 """
 from __future__ import annotations
@@ -37,8 +38,8 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..tensors import DTYPE_ITEMSIZE, as_byte_array, dtype_name
-from .limits import DEFAULT_LIMITS, Limits
 from .items import FIELD_KINDS, FieldConfig
+from .limits import DEFAULT_LIMITS, Limits
 
 EXT_RAW_VIEW = 3
 _I64 = (-(1 << 63), (1 << 63) - 1)  # the gateway's NestedTensorValue::Int(i64)

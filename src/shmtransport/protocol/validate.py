@@ -18,9 +18,9 @@ from ..identity import cache_identifier, validate_uuid
 from ..tensors import DTYPE_ITEMSIZE
 from ..v1 import features_pb2 as fpb
 from . import routing
+from .items import PB_TO_SCHEME, FieldConfig, modality_from_pb
 from .limits import DEFAULT_LIMITS, MODALITIES, U64_MAX, Limits
 from .msgpack_kwargs import DecodedKwargs, decode_kwargs_item
-from .items import PB_TO_SCHEME, FieldConfig, modality_from_pb
 
 __all__ = [
     "check_modality_name", "check_hash", "check_position", "check_placeholders", "check_tensor_manifest",
@@ -233,7 +233,7 @@ def validate_request(req: fpb.MultimodalRequest, limits: Limits = DEFAULT_LIMITS
     n_items = n_inline_items = inline_bytes = shm_bytes = 0
     spans = []
     occurrences: dict[tuple[str, str], list] = {}
-    for b, batch in enumerate(req.batches):
+    for _b, batch in enumerate(req.batches):
         modality = modality_from_pb(batch.modality)
         if modality in seen:
             raise InvalidArgument(f"two batches of modality {modality!r}: one batch per modality")

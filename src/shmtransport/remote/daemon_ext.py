@@ -226,7 +226,8 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
     def RemoteAcquire(self, request, context):
         from ..daemon.server import bounded_wait
 
-        return self._typed(context, self._acquire, request, bounded_wait(self._ext.daemon.config.commit_wait_s, context))
+        return self._typed(context, self._acquire, request,
+                           bounded_wait(self._ext.daemon.config.commit_wait_s, context))
 
     def _acquire(self, request, context, wait_s):
         ext = self._ext

@@ -10,12 +10,12 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from ..wire import GRPC_OPTIONS
 from ..errors import InvalidArgument, error_from_rpc
 from ..tensors import dtype_from_name
 from ..v1 import features_pb2 as fpb
 from ..v1 import remote_pb2 as rpb
 from ..v1 import remote_pb2_grpc as rpb_grpc
+from ..wire import GRPC_OPTIONS
 from . import descriptor as _desc
 from ._nixl import NixlUnavailable, load_nixl
 from .transport import COUNTERS, INLINE, REMOTE, SHM, TransportCounters, choose_transport, namespace_of

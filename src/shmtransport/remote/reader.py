@@ -192,7 +192,8 @@ class _Peer:
         except grpc.RpcError as err:
             self.close()
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise PermissionDenied(f"remote daemon at {endpoint} refused our credentials: {err.details()}") from None
+                raise PermissionDenied(f"remote daemon at {endpoint} refused our credentials: "
+                                       f"{err.details()}") from None
             raise Unavailable(f"cannot attach to remote daemon at {endpoint}: {err.details() or err.code()}") from err
         except StopIteration as exc:
             self.close()
@@ -272,7 +273,8 @@ class RemoteReader:
         self._pool_mm, self._pool = _page_buffer(pool_slots * slot_nbytes)
         self._pool_reg = None
         if pool_slots:
-            self._pool_reg = self.agent.register_memory([(int(self._pool.ctypes.data), self._pool.nbytes, 0, "")], "DRAM")
+            self._pool_reg = self.agent.register_memory([(int(self._pool.ctypes.data), self._pool.nbytes, 0, "")],
+                                                        "DRAM")
         self._free_slots = list(range(pool_slots))[::-1]
         self.large_cache_nbytes = large_cache_nbytes
         self._large_cache: list[_LargeBuffer] = []  # released, still registered, oldest first

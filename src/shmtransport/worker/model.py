@@ -24,10 +24,25 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument
-
-from .spec import (AUDIO_END, AUDIO_FRAMES_PER_TOKEN, AUDIO_PAD, AUDIO_START, BOS, D_MODEL, EOS,  # noqa: F401
-                   IMAGE_PAD, KNOWN_ADAPTERS, MERGE, N_MELS, PATCH_DIM, TEXT_IDS, VIDEO_PAD, VISION_END,
-                   VISION_START, VOCAB)
+from .spec import (  # noqa: F401
+    AUDIO_END,
+    AUDIO_FRAMES_PER_TOKEN,
+    AUDIO_PAD,
+    AUDIO_START,
+    BOS,
+    D_MODEL,
+    EOS,
+    IMAGE_PAD,
+    KNOWN_ADAPTERS,
+    MERGE,
+    N_MELS,
+    PATCH_DIM,
+    TEXT_IDS,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    VOCAB,
+)
 
 WEIGHT_SEED = 1234
 DEFAULT_MAX_TOKENS = 16
@@ -38,7 +53,8 @@ def num_embeds(modality: str, kwargs: dict[str, Any]) -> int:
     if modality in ("image", "video"):
         key = "image_grid_thw" if modality == "image" else "video_grid_thw"
         grid = kwargs[key]
-        g = grid.reshape(-1, 3).to(torch.int64) if isinstance(grid, torch.Tensor) else torch.as_tensor(grid).reshape(-1, 3)
+        g = (grid.reshape(-1, 3).to(torch.int64) if isinstance(grid, torch.Tensor)
+             else torch.as_tensor(grid).reshape(-1, 3))
         return int((g[:, 0] * g[:, 1] * g[:, 2]).sum()) // (MERGE * MERGE)
     if modality == "audio":
         return int(kwargs["input_features"].shape[-1]) // AUDIO_FRAMES_PER_TOKEN

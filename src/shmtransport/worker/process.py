@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-
 # Torch's OpenMP threads spin for a while after each parallel region by default; on a machine the
 # worker shares with the frontend (tests, benchmarks, the demo) that spinning steals the cores the
 # frontend copies with. A variable already set in the environment wins.

@@ -138,7 +138,8 @@ def from_vllm_grpc(vreq: vpb.GenerateRequest) -> gpb.GenerateRequest:
     """Inverse projection (wire zeros read as omitted); features become grpc-mm msgpack items."""
     if vreq.WhichOneof("prompt") != "token_ids":
         raise InvalidArgument("prompt: token_ids is required")
-    out = gpb.GenerateRequest(request_id=vreq.request_id, model=vreq.model, token_ids=gpb.TokenIds(ids=vreq.token_ids.ids))
+    out = gpb.GenerateRequest(request_id=vreq.request_id, model=vreq.model,
+                              token_ids=gpb.TokenIds(ids=vreq.token_ids.ids))
     s, sm, st, rs = vreq.sampling, out.sampling, vreq.stopping, vreq.response
     if vreq.HasField("temperature"):
         sm.temperature = vreq.temperature
@@ -217,7 +218,8 @@ def from_vllm_grpc(vreq: vpb.GenerateRequest) -> gpb.GenerateRequest:
     return out
 
 
-_V_FINISH = {vpb.FinishInfo.NOT_FINISHED: gpb.FINISH_REASON_NOT_FINISHED, vpb.FinishInfo.LENGTH: gpb.FINISH_REASON_LENGTH,
+_V_FINISH = {vpb.FinishInfo.NOT_FINISHED: gpb.FINISH_REASON_NOT_FINISHED,
+             vpb.FinishInfo.LENGTH: gpb.FINISH_REASON_LENGTH,
              vpb.FinishInfo.STOP: gpb.FINISH_REASON_STOP, vpb.FinishInfo.ABORTED: gpb.FINISH_REASON_ABORTED}
 
 
