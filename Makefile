@@ -37,10 +37,10 @@ lint: setup
 # SHMTRANSPORT_REQUIRE_EXTRAS: here every optional package is installed, so a test skipped for want
 # of one is a failure (in the fresh venvs of test-dist such tests skip).
 test-c:
-	SHMTRANSPORT_REQUIRE_EXTRAS=1 SHMTRANSPORT_BACKEND=c $(PY) -m pytest $(PYTEST_ARGS)
+	SHMTRANSPORT_REQUIRE_EXTRAS=1 SHMTRANSPORT_BACKEND=c $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-python:
-	SHMTRANSPORT_REQUIRE_EXTRAS=1 SHMTRANSPORT_BACKEND=python $(PY) -m pytest $(PYTEST_ARGS)
+	SHMTRANSPORT_REQUIRE_EXTRAS=1 SHMTRANSPORT_BACKEND=python $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 # The sdist and the manylinux wheel as users install them, each in a fresh venv (CI runs it after
 # `make test`): tools/test_dist.sh.

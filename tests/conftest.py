@@ -13,6 +13,7 @@ loaded through its ``pytest11`` entry point; its helpers are in ``shmtransport.t
   ``@pytest.mark.allow_live_objects``).
 - ``daemon``: ``make_daemon()`` with the defaults.
 - ``new_prefix``: factory of fresh segment-name prefixes for daemons a test starts itself.
+- ``ONCE_UNDER_C``: modules whose subject is not the kernels run under the C backend only.
 - Optional packages: a module that needs one (``OPTIONAL``, or ``pytest.importorskip`` inside)
   is skipped where it is missing, e.g. in a venv with only the wheel and its test tools. Under
   ``SHMTRANSPORT_REQUIRE_EXTRAS=1`` (``make test``) a missing one fails instead: there, a skip
@@ -45,6 +46,28 @@ OPTIONAL = {
     "test_embedmask.py": ("torch", "vllm"),
     "test_protocol_e2e.py": ("torch",),
 }
+
+
+# Test modules whose subject does not depend on the kernels, run once: under the C backend (what
+# `make demo` and the wheel use). Each reason says why the pure-Python run would only repeat it.
+ONCE_UNDER_C = {
+    "test_engine_vllm.py": "vLLM's engine behind our worker (~3 min of engine start); the pure-Python "
+                           "kernels' part of that path is in the protocol and worker tests",
+    "test_aio.py": "the asyncio wrapper; its tests already run each call with and without the object table",
+    "test_pytest_plugin_xdist.py": "the plugin's leak attribution under xdist",
+    "test_packaging.py": "building and installing the artifacts",
+    "test_layers.py": "the import graph",
+}
+BACKEND_UNDER_TEST = os.environ.get("SHMTRANSPORT_BACKEND", "auto").strip().lower()
+
+
+def pytest_collection_modifyitems(config, items):
+    if BACKEND_UNDER_TEST != "python":
+        return
+    for item in items:
+        reason = ONCE_UNDER_C.get(item.path.name)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"runs once, under the C backend: {reason}"))
 
 
 def _missing(module: str) -> bool:
