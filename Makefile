@@ -64,7 +64,7 @@ soak: setup
 
 # Regenerate the committed gRPC/protobuf code (tests fail when it is out of date).
 proto: setup
-	$(PY) -m shmtransport.protogen
+	$(PY) tools/protogen.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info src/shmtransport/_shmt_c*.so src/shmtransport/_shmt_c.c

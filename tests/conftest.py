@@ -44,6 +44,7 @@ OPTIONAL = {
     "test_conformance_smg.py": ("torch", "vllm", "smg_grpc_servicer"),
     "test_conformance_vllm.py": ("torch", "vllm"),
     "test_embedmask.py": ("torch", "vllm"),
+    "test_engine_vllm.py": ("torch", "vllm", "transformers"),
     "test_protocol_e2e.py": ("torch",),
 }
 

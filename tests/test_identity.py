@@ -83,6 +83,8 @@ def _grpc_cases() -> list[tuple[str, str, dict, dict]]:
 def vllm_kwargs_msgpack(kwargs: dict, fields: dict) -> bytes:
     """vLLM's own bytes for an item: ``MsgpackEncoder(size_threshold=2**62).encode(item)`` (gRPC form)."""
     import torch
+
+    pytest.importorskip("vllm")
     from vllm.multimodal import inputs as mm
     from vllm.v1.serial_utils import MsgpackEncoder
 

@@ -35,6 +35,8 @@ def _copy_sources(dest: pathlib.Path) -> pathlib.Path:
 
 
 def _build(source: pathlib.Path, out: pathlib.Path, kind: str, env: dict[str, str] | None = None):
+    for tool, version in (("build", None), ("setuptools", "77"), ("cffi", None), ("wheel", None)):
+        pytest.importorskip(tool, minversion=version, reason=f"could not import {tool}: a build needs it here")
     # --no-isolation: the build tools of this venv (pyproject's build requirements) instead of
     # downloading them again.
     return subprocess.run([sys.executable, "-m", "build", "--no-isolation", f"--{kind}", "-o", str(out), str(source)],
@@ -44,7 +46,6 @@ def _build(source: pathlib.Path, out: pathlib.Path, kind: str, env: dict[str, st
 @pytest.fixture(scope="module")
 def compilerless_wheel(tmp_path_factory) -> tuple[pathlib.Path, str]:
     """A wheel built where the C compiler does not exist, and the build's output."""
-    pytest.importorskip("build")
     root = tmp_path_factory.mktemp("nocc")
     result = _build(_copy_sources(root / "src-copy"), root / "dist", "wheel", {"CC": str(root / "no-such-cc")})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -94,7 +95,6 @@ def test_the_wheel_carries_license_types_and_protos(compilerless_wheel):
 
 
 def test_the_sdist_carries_what_its_tests_need(tmp_path):
-    pytest.importorskip("build")
     result = _build(_copy_sources(tmp_path / "src-copy"), tmp_path / "dist", "sdist")
     assert result.returncode == 0, result.stderr[-3000:]
     (sdist,) = (tmp_path / "dist").glob("*.tar.gz")

@@ -5,14 +5,18 @@ import sys
 
 import pytest
 
-from shmtransport import protogen
+TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+
+import protogen  # noqa: E402
 
 
 def test_committed_generated_code_matches_proto_sources(tmp_path: pathlib.Path):
     pytest.importorskip("grpc_tools")
     # protoc runs in a child: nixl-cu12 bundles its own protobuf libraries and crashes a process
     # that has both loaded, and other tests may have imported it here.
-    code = f"from shmtransport import protogen; import pathlib; protogen.generate(pathlib.Path({str(tmp_path)!r}))"
+    code = (f"import sys, pathlib; sys.path.insert(0, {str(TOOLS)!r}); import protogen; "
+            f"protogen.generate(pathlib.Path({str(tmp_path)!r}))")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     fresh = sorted((tmp_path / "shmtransport" / "v1").glob("*_pb2*.py*"))
     assert fresh, "protoc generated nothing"

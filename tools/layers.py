@@ -30,7 +30,6 @@ LAYER_OF_PREFIX = [  # first match wins
     ("render", "frontend"), ("worker", "worker"), ("remote", "remote"),
     ("engine", "app"), ("cli", "app"),
     ("__main__", "app"), ("demo", "app"), ("chaos", "app"), ("pytest_plugin", "app"), ("testing", "app"),
-    ("protogen", "app"),
 ]
 ALLOWED = {
     "base": {"base"},

@@ -1,4 +1,5 @@
-"""Regenerate the committed protobuf/gRPC modules from proto/ (``make proto``).
+"""Regenerate the committed protobuf/gRPC modules from proto/ (``make proto``; a checkout tool,
+not part of the package).
 
 The .proto files live in ``proto/shmtransport/v1``; their package path mirrors the import path, so
 the generated modules land in ``src/shmtransport/v1`` and import each other as ``shmtransport.v1``.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO / "proto"
 SRC_ROOT = REPO / "src"
 
