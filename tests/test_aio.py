@@ -28,7 +28,7 @@ from shmtransport.errors import (
     StateError,
     Unavailable,
 )
-from shmtransport.testing import BlockingChild, remove_tree, run_in_child, short_tmpdir
+from shmtransport.testing import BlockingChild, hold_until_told, remove_tree, run_in_child, short_tmpdir
 
 KiB = 1024
 MiB = 1 << 20
@@ -143,17 +143,6 @@ def child_read_with_async_consumer(socket_path: str, blobs: list[bytes]) -> list
             return out
 
     return asyncio.run(asyncio.wait_for(main(), TEST_TIMEOUT_S))
-
-
-def child_fill_and_hold(conn, socket_path: str, nbytes: int) -> None:
-    """Fill the arena with one object, report, free it when told to, report, wait to exit."""
-    with Producer(socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
-        handle = producer.put(np.ones(nbytes, np.uint8))
-        conn.send("full")
-        conn.recv()
-        producer.release(handle, wait=True)
-        conn.send("released")
-        conn.recv()
 
 
 # -- the sync semantics through await --------------------------------------------------------------
@@ -336,7 +325,7 @@ def test_a_loan_on_a_full_arena_waits_without_blocking_the_loop_then_raises_reso
 @ON_BOTH_PATHS
 def test_a_loan_waiting_for_space_another_process_frees_succeeds_while_the_loop_runs(make_daemon, object_slots):
     daemon = make_daemon(arena_nbytes=MiB, object_slots=object_slots)
-    with BlockingChild(child_fill_and_hold, daemon.socket_path, MiB) as child:
+    with BlockingChild(hold_until_told, daemon.socket_path, MiB) as child:
         assert child.recv(30) == "full"
 
         async def main():

@@ -18,7 +18,7 @@ from shmtransport import testing
 from shmtransport.chaos import DaemonProcess, shm_segments
 from shmtransport.client import Consumer, Producer
 from shmtransport.errors import Reason, ResourceExhausted, ShmTransportError
-from shmtransport.testing import BlockingChild, run_in_child, start_children, wait_until
+from shmtransport.testing import BlockingChild, hold_until_told, run_in_child, start_children, wait_until
 
 TIMEOUT_S = 10.0
 MiB = 1 << 20
@@ -166,20 +166,10 @@ def test_a_full_arena_under_concurrent_producers_gives_arena_full_or_back_pressu
         p.release(h, wait=True)
 
 
-def _fill_and_hold(conn, socket_path: str) -> None:
-    with Producer(socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as p:
-        h = p.put(np.ones(MiB, np.uint8))
-        conn.send("full")
-        conn.recv()
-        p.release(h, wait=True)
-        conn.send("released")
-        conn.recv()
-
-
 @ON_BOTH_PATHS
 def test_a_loan_waits_for_space_freed_by_another_process_back_pressure_not_failure(make_daemon, object_slots):
     daemon = make_daemon(arena_nbytes=MiB, object_slots=object_slots)
-    with BlockingChild(_fill_and_hold, daemon.socket_path) as child:
+    with BlockingChild(hold_until_told, daemon.socket_path, MiB) as child:
         assert child.recv(30) == "full"
         with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as fast:
             with pytest.raises(ResourceExhausted) as info:

@@ -9,6 +9,7 @@ when called.
 - ``start_children(fn, arg_list)``: the same for several children at once.
 - ``BlockingChild(fn, *args)``: a ``spawn`` child that reports over a Pipe and then blocks, so a
   test can ``kill()`` (SIGKILL) it at a known point, or ``finish()`` it cleanly.
+- ``hold_until_told``: a ``BlockingChild`` body holding one object (e.g. a full arena) until told.
 - ``wait_until(predicate, timeout_s=...)``: poll with a deadline instead of sleeping.
 - ``LeakSnapshot`` / ``LeakCheck``: /dev/shm entries, open fds, live children and a daemon's live
   leases before/after a test, and a readable list of what leaked (leases and loans with the call
@@ -51,6 +52,7 @@ __all__ = [
     "RUN_PREFIX",
     "SHM_DIR",
     "describe_daemon_state",
+    "hold_until_told",
     "open_fds",
     "parse_nbytes",
     "remove_tree",
@@ -347,6 +349,22 @@ class BlockingChild:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def hold_until_told(conn: multiprocessing.connection.Connection, socket_path: str, nbytes: int) -> None:
+    """A ``BlockingChild`` body: put one object of ``nbytes`` (say, as large as the arena), report
+    "full", release it when told and report "released", then wait to be finished."""
+    import numpy as np
+
+    from .client import Producer
+
+    with Producer(socket_path, timeout_s=DEFAULT_CHILD_TIMEOUT_S, alloc_wait_s=0) as producer:
+        handle = producer.put(np.ones(nbytes, np.uint8))
+        conn.send("full")
+        conn.recv()
+        producer.release(handle, wait=True)
+        conn.send("released")
+        conn.recv()
 
 
 # -- leak snapshots ------------------------------------------------------------------------------
