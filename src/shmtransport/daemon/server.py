@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from .. import objtable
 from ..allocator import Allocator
 from ..errors import (
+    DeadlineExceeded,
     InvalidArgument,
     PermissionDenied,
     Reason,
@@ -97,10 +98,25 @@ def _typed_errors(method: Callable) -> Callable:
     return wrapper
 
 
+# A reply needs this long to reach a caller on the node. The daemon's clock for a deadline starts
+# when the call arrives, a little after the caller's, so "still active" can be true for a caller
+# that has already given up.
+_DELIVERY_MARGIN_S = 0.05
+
+
 def bounded_wait(wait_s: float, context) -> float:
     """A wait that ends before the caller's deadline, so it gets our typed error, not a timeout."""
     remaining = context.time_remaining()
-    return wait_s if remaining is None else min(wait_s, max(0.0, remaining - 0.05))
+    return wait_s if remaining is None else min(wait_s, max(0.0, remaining - _DELIVERY_MARGIN_S))
+
+
+def _caller_gone(context, remaining_at_start: float | None) -> bool:
+    """The caller cancelled, or its deadline is too close for a reply to reach it (the margin is
+    at most half of what the call arrived with, so short timeouts still work)."""
+    if not context.is_active():
+        return True
+    remaining = context.time_remaining()
+    return remaining is not None and remaining < min(_DELIVERY_MARGIN_S, (remaining_at_start or 0.0) / 2)
 
 
 class _SessionGate(grpc.ServerInterceptor):
@@ -175,6 +191,7 @@ class _Servicer(pb_grpc.DaemonServicer):
 
     @_typed_errors
     def Loan(self, request, context):
+        remaining_at_start = context.time_remaining()
         session_id, tenant = self._session(context)
         _check_release_counts(request)
         self._piggybacked_release(tenant, session_id, request)
@@ -184,21 +201,24 @@ class _Servicer(pb_grpc.DaemonServicer):
         else:
             wait_s = min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000
             response = self._waiting(tenant, wait_s, context, lambda w: registry.loan(session_id, request.nbytes, w))
-        if not context.is_active():
+        if _caller_gone(context, remaining_at_start):
             # The caller gave up (deadline, cancel) while we allocated: nobody will ever see these
             # handles, so they must not stay allocated to its session.
             registry.release(session_id, response.handles, ())
+            raise DeadlineExceeded("the caller's deadline passed while the daemon placed this loan: undone")
         return response
 
     @_typed_errors
     def Grant(self, request, context):
+        remaining_at_start = context.time_remaining()
         session_id, tenant = self._session(context)
         registry = tenant.registry
         wait_s = min(request.wait_ms, self._daemon.config.max_alloc_wait_ms) / 1000
         response = self._waiting(tenant, wait_s, context, lambda w: registry.grant(
             session_id, request.nbytes, request.nslots, w, request.give_back, request.retry))
-        if response.grant_id and not context.is_active():
+        if response.grant_id and _caller_gone(context, remaining_at_start):
             registry.grant(session_id, 0, 0, 0.0, [response.grant_id])  # nobody will place objects in it
+            raise DeadlineExceeded("the caller's deadline passed while the daemon made this grant: undone")
         return response
 
     @_typed_errors
