@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA: nothing to check here (torch sees no GPU)")
         return 0
     from shmtransport.client import Producer
+    from shmtransport.frontend.generate import Frontend, Item
+    from shmtransport.frontend.media import synthetic_features
     from shmtransport.protocol.limits import DEFAULT_LIMITS
-    from shmtransport.render.frontend import Frontend, Item
-    from shmtransport.render.media import synthetic_features
     from shmtransport.worker.process import WorkerProcess, start_daemon_process, stop_process
 
     print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")

@@ -14,11 +14,11 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 from smg_grpc_servicer import mm_shm
 from smg_grpc_servicer.vllm.mm_tensors import tensor_from_proto
 
+from shmtransport.bridges import Unrepresentable, smg
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import InvalidArgument
-from shmtransport.protocol import frontend
-from shmtransport.protocol.bridges import Unrepresentable, smg
+from shmtransport.frontend import request as frontend
 from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.v1 import generate_pb2 as gpb
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shmtransport.bridges import Unrepresentable, vllm_grpc
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import InvalidArgument, ResourceExhausted
+from shmtransport.frontend import request as frontend
 from shmtransport.identity import grpc_mm_identity
-from shmtransport.protocol import frontend
-from shmtransport.protocol.bridges import Unrepresentable, vllm_grpc
-from shmtransport.protocol.bridges.capabilities import ServerInfoServicer, same_shm_namespace, server_info
+from shmtransport.protocol.capabilities import ServerInfoServicer, same_shm_namespace, server_info
 from shmtransport.protocol.folding import fold
 from shmtransport.protocol.items import FeatureItem
 from shmtransport.protocol.limits import Limits

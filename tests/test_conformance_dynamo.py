@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 from vllm.multimodal.inputs import PlaceholderRange as VllmPlaceholderRange
 
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
-from shmtransport.protocol import frontend, routing
+from shmtransport.frontend import request as frontend
+from shmtransport.protocol import routing
 from shmtransport.protocol.items import FeatureItem, modality_from_pb
 from shmtransport.protocol.kv_routing import block_hashes, items_from_request, routing_identity, salt_seed
 

@@ -23,10 +23,10 @@ from smg_grpc_servicer.vllm.mm_salt import has_preprocessed_mm_payload
 from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFlatField, MultiModalSharedField
 
+from shmtransport.bridges import Unrepresentable, smg
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import PlaceholderRange
-from shmtransport.protocol import frontend
-from shmtransport.protocol.bridges import Unrepresentable, smg
+from shmtransport.frontend import request as frontend
 from shmtransport.protocol.items import FeatureItem, FieldConfig, modality_from_pb
 from shmtransport.v1 import generate_pb2 as gpb
 

@@ -16,8 +16,8 @@ import pytest
 
 from shmtransport.allocator import Allocator
 from shmtransport.daemon.registry import ObjState, Registry, TenantLimits
-from shmtransport.daemon.segments import new_instance_id
 from shmtransport.errors import ShmTransportError
+from shmtransport.shm_names import new_instance_id
 from shmtransport.testing import unique_prefix
 from shmtransport.v1 import daemon_pb2 as pb
 

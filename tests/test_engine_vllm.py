@@ -21,8 +21,8 @@ from shmtransport import testing
 from shmtransport.client import Consumer, Producer
 from shmtransport.engine import paths, process, tiny_model
 from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
+from shmtransport.frontend.media import synthetic_image, synthetic_video
 from shmtransport.identity import item_identity
-from shmtransport.render.media import synthetic_image, synthetic_video
 
 # the first test also pays for the session: three engines starting side by side on two cores
 pytestmark = pytest.mark.timeout(900)
@@ -155,7 +155,7 @@ def test_worker_refuses_bytes_that_do_not_match_their_identity(vllm_session):
     """A handle whose bytes changed after the digest was taken never reaches vLLM (which trusts
     mm_hashes blindly and would answer from its cache)."""
     from shmtransport.errors import IdentityMismatch, error_from_status
-    from shmtransport.protocol.frontend import NO_INLINE, build_request
+    from shmtransport.frontend.request import NO_INLINE, build_request
     from shmtransport.v1 import generate_pb2 as gpb
     from shmtransport.v1 import generate_pb2_grpc as gpb_grpc
 

@@ -20,10 +20,11 @@ from shmtransport import testing
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import PlaceholderRange
 from shmtransport.errors import Reason, ShmTransportError
-from shmtransport.protocol import frontend, worker
+from shmtransport.frontend import request as frontend
 from shmtransport.protocol.items import FeatureItem
 from shmtransport.tensors import DTYPES
 from shmtransport.v1 import features_pb2 as fpb
+from shmtransport.worker import request as worker
 
 TIMEOUT_S = 10.0
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "80"))

@@ -9,7 +9,8 @@ import xxhash
 
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
-from shmtransport.protocol import frontend, routing, worker
+from shmtransport.frontend import request as frontend
+from shmtransport.protocol import routing
 from shmtransport.protocol.items import FeatureItem
 from shmtransport.protocol.kv_routing import (
     XXH3_SEED,
@@ -21,6 +22,7 @@ from shmtransport.protocol.kv_routing import (
     salt_seed,
     sequence_hashes,
 )
+from shmtransport.worker import request as worker
 
 IMG, AUD, TXT = 32000, 32001, 7
 BS = 4

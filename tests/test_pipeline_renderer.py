@@ -15,10 +15,10 @@ pytest.importorskip("PIL")
 
 from shmtransport import testing  # noqa: E402
 from shmtransport.client import Consumer, Producer  # noqa: E402
+from shmtransport.frontend import media  # noqa: E402
+from shmtransport.frontend.generate import Frontend, Item  # noqa: E402
+from shmtransport.frontend.prompt import expand_prompt  # noqa: E402
 from shmtransport.protocol.limits import DEFAULT_LIMITS  # noqa: E402
-from shmtransport.render import media  # noqa: E402
-from shmtransport.render.frontend import Frontend, Item  # noqa: E402
-from shmtransport.render.prompt import expand_prompt  # noqa: E402
 from shmtransport.worker.process import WorkerProcess, start_daemon_process, stop_process  # noqa: E402
 
 TIMEOUT_S = 30.0

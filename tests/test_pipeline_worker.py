@@ -17,13 +17,13 @@ from shmtransport import BACKEND, testing
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask
 from shmtransport.errors import DeadlineExceeded, IdentityMismatch, InvalidArgument
-from shmtransport.protocol.frontend import DEFAULT_INLINE, NO_INLINE
+from shmtransport.frontend.generate import Frontend, Item, WorkerUnavailable
+from shmtransport.frontend.media import synthetic_features
+from shmtransport.frontend.request import DEFAULT_INLINE, NO_INLINE
 from shmtransport.protocol.limits import DEFAULT_LIMITS
-from shmtransport.render.frontend import Frontend, Item, WorkerUnavailable
-from shmtransport.render.media import synthetic_features
+from shmtransport.protocol.spec import DEBUG_HOLD_KEY
 from shmtransport.v1 import generate_pb2 as gpb
 from shmtransport.worker.process import WorkerProcess, start_daemon_process, stop_process
-from shmtransport.worker.spec import DEBUG_HOLD_KEY
 
 TIMEOUT_S = 30.0
 INLINE_CAP = 128 << 20
@@ -246,8 +246,8 @@ def test_worker_sigkill_mid_request(stack):
 
 def _frontend_child(conn, daemon_socket: str, address: str) -> None:
     from shmtransport.client import Producer
-    from shmtransport.render.frontend import Frontend, Item
-    from shmtransport.render.media import synthetic_features
+    from shmtransport.frontend.generate import Frontend, Item
+    from shmtransport.frontend.media import synthetic_features
 
     producer = Producer(daemon_socket, timeout_s=TIMEOUT_S)
     fe = Frontend(address, producer, timeout_s=TIMEOUT_S)

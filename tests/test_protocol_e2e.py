@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from shmtransport.client import Consumer, Producer
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason
+from shmtransport.frontend import request as frontend
+from shmtransport.frontend.request import DEFAULT_INLINE, NO_INLINE, InlinePolicy
 from shmtransport.identity import item_identity
-from shmtransport.protocol import frontend, worker
-from shmtransport.protocol.frontend import DEFAULT_INLINE, NO_INLINE, InlinePolicy
 from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.protocol.limits import DEFAULT_LIMITS
 from shmtransport.v1 import features_pb2 as fpb
+from shmtransport.worker import request as worker
 
 TIMEOUT_S = 10.0
 

@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason
+from shmtransport.frontend import request as frontend
 from shmtransport.identity import grpc_mm_identity, item_identity
-from shmtransport.protocol import frontend, routing, worker
+from shmtransport.protocol import routing
 from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.protocol.msgpack_kwargs import decode_kwargs_item, encode_kwargs_item, preflight
+from shmtransport.worker import request as worker
 
 
 def test_decodes_vllm_reference_bytes():

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
-from shmtransport.protocol import frontend
+from shmtransport.frontend import request as frontend
 from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.protocol.validate import validate_request
 from shmtransport.v1 import daemon_pb2 as dpb

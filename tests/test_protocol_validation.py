@@ -9,13 +9,15 @@ import pytest
 
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason, ResourceExhausted
-from shmtransport.protocol import frontend, routing, worker
+from shmtransport.frontend import request as frontend
+from shmtransport.protocol import routing
 from shmtransport.protocol.envelope import decode_envelope
 from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.protocol.limits import Limits
 from shmtransport.protocol.msgpack_kwargs import decode_kwargs_item, encode_kwargs_item, preflight
 from shmtransport.protocol.validate import validate_request
 from shmtransport.v1 import features_pb2 as fpb
+from shmtransport.worker import request as worker
 
 
 def invalid(match: str):

@@ -39,7 +39,7 @@ BIG = "image_1792x1344_f32"
 
 
 def _kinds(renderer, f32):
-    from shmtransport.render.media import synthetic_image, synthetic_video
+    from shmtransport.frontend.media import synthetic_image, synthetic_video
 
     return {
         "image_224_u8": [renderer.image(synthetic_image(224, 224, 1))],

@@ -58,8 +58,8 @@ PATHS = ("shm", "shm_loan", "inline", "segment_pread")
 
 
 def _items(kind: str):
-    from shmtransport.render.frontend import Item
-    from shmtransport.render.media import synthetic_features
+    from shmtransport.frontend.generate import Item
+    from shmtransport.frontend.media import synthetic_features
 
     out = []
     for i, (modality, grid) in enumerate(KINDS[kind]):
@@ -77,11 +77,11 @@ class SegmentFrontend:
         self.written: list[str] = []
 
     def build(self, fe, items, t_start: float):
+        from shmtransport.frontend.generate import Prepared
+        from shmtransport.frontend.prompt import expand_prompt
+        from shmtransport.frontend.request import placeholder_to_proto
         from shmtransport.identity import cache_identifier, combine, tensor_digest
-        from shmtransport.protocol.frontend import placeholder_to_proto
         from shmtransport.protocol.items import SCHEME_TO_PB, modality_to_pb
-        from shmtransport.render.frontend import Prepared
-        from shmtransport.render.prompt import expand_prompt
         from shmtransport.tensors import as_byte_array
         from shmtransport.v1 import daemon_pb2 as dpb
         from shmtransport.v1 import features_pb2 as fpb
@@ -145,11 +145,11 @@ class SegmentFrontend:
 
 def run(quick: bool) -> Report:
     from shmtransport.client import Producer
+    from shmtransport.frontend.generate import Frontend
     from shmtransport.identity import tensor_digest
     from shmtransport.protocol.limits import DEFAULT_LIMITS
-    from shmtransport.render.frontend import Frontend
+    from shmtransport.protocol.spec import INGEST_KEY
     from shmtransport.worker.process import WorkerProcess, start_daemon_process, stop_process
-    from shmtransport.worker.spec import INGEST_KEY
 
     report = Report("pipeline", extra_versions=("grpcio", "torch", "xxhash"))
     rounds, warmup = (5, 1) if quick else (20, 3)
@@ -256,7 +256,7 @@ def run(quick: bool) -> Report:
 
 def _loaned(producer, items):
     """The items with every large tensor written into a loan, as the renderer's last step does."""
-    from shmtransport.render.frontend import Item
+    from shmtransport.frontend.generate import Item
 
     out = []
     for it in items:

@@ -21,7 +21,7 @@ _EXPORTS = {
     "BACKEND": "._backend",
     "Producer": ".client",
     "Consumer": ".client",
-    "Handle": ".client",
+    "Handle": ".handle",
     "Loan": ".client",
     "Lease": ".client",
     "AsyncProducer": ".aio",

@@ -25,8 +25,8 @@ import threading
 import weakref
 
 from .errors import HandleError, PermissionDenied, Reason, ResourceExhausted, Unavailable
+from .shm_names import SHM_DIR
 
-SHM_DIR = "/dev/shm"
 POPULATE_MAX_NBYTES = 4 << 30  # larger arenas fault pages in on first touch instead
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 

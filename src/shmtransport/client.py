@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 import grpc
 import numpy as np
 
-from . import _call_sites, arena, objtable
+from . import _call_sites, arena, objtable, shm_names
 from ._backend import kernels
 from ._delayed import DelayedCall
 from .errors import (
@@ -46,6 +46,7 @@ from .errors import (
     Unavailable,
     error_from_rpc,
 )
+from .handle import Handle
 from .table_client import Placed, TableClient
 from .tensors import as_byte_array, dtype_from_name, dtype_name, tensor_nbytes, to_torch
 from .v1 import daemon_pb2 as pb
@@ -53,63 +54,6 @@ from .v1 import daemon_pb2_grpc as pb_grpc
 from .wire import GRPC_OPTIONS, MAX_BATCH, SESSION_METADATA_KEY, default_socket_path
 
 _log = logging.getLogger("shmtransport.client")
-
-
-class Handle:
-    """A tensor in shared memory: the daemon handle plus dtype, shape and (optional) digest."""
-
-    __slots__ = ("shm", "dtype", "shape", "digest", "commit_token")
-
-    def __init__(
-        self, shm: pb.Handle, dtype: str, shape: Sequence[int], *, digest: bytes = b"", commit_token: bytes = b""
-    ):
-        self.shm = shm
-        self.dtype = dtype
-        self.shape = tuple(int(d) for d in shape)
-        self.digest = digest
-        self.commit_token = commit_token  # a producer that lets the first Acquire commit sets it
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the object in bytes (a zero-size tensor occupies 1)."""
-        return self.shm.nbytes
-
-    def to_proto(self) -> pb.TensorHandle:
-        """The ``shmtransport.v1.TensorHandle`` message, to embed in a request."""
-        return pb.TensorHandle(
-            shm=self.shm, dtype=self.dtype, shape=self.shape, digest=self.digest, commit_token=self.commit_token
-        )
-
-    @classmethod
-    def from_proto(cls, msg: pb.TensorHandle) -> "Handle":
-        """The handle a ``TensorHandle`` message carries (checked when it is acquired)."""
-        return cls(msg.shm, msg.dtype, msg.shape, digest=msg.digest, commit_token=msg.commit_token)
-
-    def to_bytes(self) -> bytes:
-        """The serialized ``TensorHandle``: what a frontend sends the worker (about 100 bytes)."""
-        return self.to_proto().SerializeToString()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "Handle":
-        """The handle ``to_bytes`` wrote; InvalidArgument when ``data`` is not one."""
-        msg = pb.TensorHandle()
-        try:
-            msg.ParseFromString(data)
-        except Exception as exc:  # protobuf raises DecodeError; keep our error type
-            raise InvalidArgument(f"not a serialized TensorHandle: {exc}") from exc
-        return cls.from_proto(msg)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Handle) and self.to_bytes() == other.to_bytes()
-
-    def __hash__(self) -> int:
-        return hash((self.shm.instance_id, self.shm.offset, self.shm.generation))
-
-    def __repr__(self) -> str:
-        return (
-            f"Handle({self.dtype}{list(self.shape)}, nbytes={self.nbytes}, offset={self.shm.offset}, "
-            f"gen={self.shm.generation}, instance={self.shm.instance_id})"
-        )
 
 
 class _Connection:
@@ -675,7 +619,7 @@ class _Client:
         arena.validate_segment_name(shm.name)  # a handle names a file in /dev/shm, never a path
         mapping = self._conn.mapping
         if mapping is not None and shm.name != mapping.name and shm.offset == 0 \
-                and shm.name.startswith(mapping.name.rsplit("-", 1)[0] + "-obj"):
+                and shm_names.is_dedicated_of_arena(mapping.name, shm.name):
             # A dedicated segment of this daemon (LoanRequest.dedicated): mapped on its own; the
             # returned view keeps the mapping alive and it is unmapped once no view remains.
             owners = frozenset((self._conn.daemon_uid, os.geteuid()))  # the daemon or our tenant

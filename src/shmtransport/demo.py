@@ -59,7 +59,7 @@ class Media:
     """Renders every sample once (the processors are the renderer's cost, not the transport's)."""
 
     def __init__(self, real: bool):
-        from .render import media
+        from .frontend import media
 
         self.real = real
         self.features: dict[str, dict[str, np.ndarray]] = {}
@@ -88,8 +88,8 @@ class Media:
         """The kind's items. Shared-memory path with the real renderer: images and video are written
         in place into loans (committed by the frontend, digest from shared memory); audio (and every
         synthetic tensor) is copied once by ``put``. Inline path: the processors' numpy output."""
-        from .render.frontend import Item
-        from .render.media import Renderer, video_shape
+        from .frontend.generate import Item
+        from .frontend.media import Renderer, video_shape
 
         out = []
         try:
@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import BACKEND
     from .client import Producer
     from .errors import InvalidArgument, ShmTransportError
+    from .frontend.generate import Frontend
     from .protocol.limits import DEFAULT_LIMITS
-    from .render.frontend import Frontend
     from .worker.process import WorkerProcess, start_daemon_process, stop_process
 
     real = not args.synthetic

@@ -38,6 +38,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from . import _call_sites
+from .shm_names import SHM_DIR
 
 if TYPE_CHECKING:  # pragma: no cover
     from .daemon import Daemon
@@ -70,7 +71,7 @@ __all__ = [
 ]
 
 SPAWN = multiprocessing.get_context("spawn")
-SHM_DIR = "/dev/shm"
+
 DEFAULT_CHILD_TIMEOUT_S = 60.0
 DEFAULT_ARENA_NBYTES = 64 << 20
 DAEMON_SETTLE_S = 3.0

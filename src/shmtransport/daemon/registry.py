@@ -30,12 +30,12 @@ import heapq
 import hmac
 import itertools
 import logging
-import re
 import secrets
 import threading
 import time
 from typing import Iterable, Sequence
 
+from .. import shm_names
 from ..allocator import PAGE, Allocator
 from ..errors import (
     HandleError,
@@ -149,8 +149,8 @@ class Registry:
     def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: TenantLimits,
                  shm_reserve: ShmReserve | None = None, segment_owner: tuple[int, int] | None = (-1, -1),
                  tenant: str = "", objects: ObjectBook | None = None):
-        """``segment_name``: this tenant's arena, ``{prefix}-{instance}-{tenant}-arena``; its dedicated
-        segments are ``{prefix}-{instance}-{tenant}-obj{generation}-{random}``. ``shm_reserve``: the
+        """``segment_name``: this tenant's arena (its dedicated segments are named after it, see
+        ``shm_names``). ``shm_reserve``: the
         daemon-wide /dev/shm budget dedicated segments are created under; ``segment_owner``: the
         (uid, gid) they are handed to (-1: keep the daemon's), so the tenant can open them by name;
         None: this tenant cannot be given any (a daemon that is not root cannot hand files over).
@@ -163,10 +163,7 @@ class Registry:
         self.quota_nbytes = limits.quota_nbytes or allocator.nbytes
         self._shm_reserve = shm_reserve or ShmReserve(0)
         self._segment_owner = segment_owner
-        self._tenant_base = segment_name.rsplit("-", 1)[0]  # {prefix}-{instance}-{tenant}
-        instance_base = self._tenant_base.rsplit("-", 1)[0]  # {prefix}-{instance}
-        self._other_tenant_re = re.compile(rf"^{re.escape(instance_base)}-t[0-9]+-")
-        self._dedicated_re = re.compile(rf"^{re.escape(self._tenant_base)}-obj([0-9]+)-[0-9a-f]+$")
+        self._tenant_base = shm_names.base_of_arena(segment_name)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # notified whenever bytes are freed
         self._commit_waiters: dict[int, list[_CommitWaiter]] = {}  # object key -> waiting Acquires
@@ -353,7 +350,7 @@ class Registry:
         segments: list[Segment] = []
         try:
             for i, nbytes in enumerate(sizes):
-                name = f"{self._tenant_base}-obj{first + i}-{secrets.token_hex(4)}"
+                name = shm_names.dedicated_name(self._tenant_base, first + i)
                 segments.append(self._shm_reserve.create(name, nbytes, *self._segment_owner))
             with self._lock:
                 session = self._live_session(session_id)
@@ -819,7 +816,7 @@ class Registry:
                 "(the daemon restarted; its bytes are gone)",
                 Reason.INSTANCE_MISMATCH,
             )
-        if self._other_tenant_re.match(h.name) and not h.name.startswith(self._tenant_base + "-"):
+        if shm_names.names_another_tenant(self._tenant_base, h.name):
             raise PermissionDenied(f"segment {h.name!r} belongs to another tenant of this daemon")
 
     def _resolve(self, h: pb.Handle) -> Allocation:
@@ -849,8 +846,8 @@ class Registry:
     def _resolve_dedicated(self, h: pb.Handle) -> Allocation:
         key = self._dedicated.get(h.name)
         if key is None:
-            match = self._dedicated_re.match(h.name)
-            if match and 0 < int(match.group(1)) < self._next_generation:
+            generation = shm_names.dedicated_generation(self._tenant_base, h.name)
+            if generation is not None and 0 < generation < self._next_generation:
                 raise HandleError(f"stale handle: dedicated segment {h.name!r} was freed", Reason.STALE_HANDLE)
             raise HandleError(f"unknown segment {h.name!r}")
         obj = self._objects[key]

@@ -1,7 +1,7 @@
 """Creating, reserving, sweeping and unlinking the daemon's shared-memory segments.
 
 Only the daemon creates and unlinks (``docs/design.md``, lifetime rule 1). Segment names are
-``{prefix}-{instance_id}-{kind}``. The daemon holds an exclusive ``flock`` on each of its segment
+built by ``shm_names``. The daemon holds an exclusive ``flock`` on each of its segment
 files for its whole life, so a later daemon can tell a dead instance's leftovers (lock free) from a
 live one's (lock held) without guessing from ages or PIDs.
 """
@@ -12,37 +12,14 @@ import fcntl
 import logging
 import mmap
 import os
-import re
-import secrets
 import stat
 import threading
 
+from .. import shm_names
 from ..errors import Reason, ResourceExhausted, ShmTransportError
+from ..shm_names import SHM_DIR
 
-SHM_DIR = "/dev/shm"
 _log = logging.getLogger("shmtransport.daemon")
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.]{1,32}$")
-
-
-def validate_prefix(prefix: str) -> str:
-    if not _NAME_RE.match(prefix):
-        raise ValueError(f"name prefix must match {_NAME_RE.pattern}, got {prefix!r}")
-    return prefix
-
-
-def new_instance_id() -> str:
-    return secrets.token_hex(6)
-
-
-def shm_namespace_id() -> str:
-    """``<boot_id>:<st_dev of /dev/shm>``: two parties with equal ids share the same /dev/shm."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
-    except OSError:
-        boot_id = "unknown-boot"
-    return f"{boot_id}:{os.stat(SHM_DIR).st_dev}"
 
 
 def shm_free_nbytes() -> int:
@@ -138,13 +115,12 @@ def sweep_dead_instances(prefix: str, tenant_uids: frozenset[int] = frozenset())
     never fatal.
     """
     removed = []
-    pattern = re.compile(rf"^{re.escape(prefix)}-[0-9a-f]{{12}}-")
-    dedicated = re.compile(rf"^{re.escape(prefix)}-[0-9a-f]{{12}}-t[0-9]+-obj[0-9]+-[0-9a-f]+$")
     for name in sorted(os.listdir(SHM_DIR)):
-        if not pattern.match(name):
+        if not shm_names.of_some_instance(prefix, name):
             continue
         path = os.path.join(SHM_DIR, name)
-        owners = frozenset((os.geteuid(), *tenant_uids)) if dedicated.match(name) else frozenset((os.geteuid(),))
+        owners = frozenset((os.geteuid(), *tenant_uids)) if shm_names.is_dedicated_of_some_instance(prefix, name) \
+            else frozenset((os.geteuid(),))
         try:
             if _sweep_one(path, owners):
                 removed.append(name)

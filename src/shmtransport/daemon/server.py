@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .. import objtable
+from .. import objtable, shm_names
 from ..allocator import Allocator
 from ..errors import (
     DeadlineExceeded,
@@ -43,10 +43,7 @@ from .segments import (
     Segment,
     ShmReserve,
     default_shm_reserve_nbytes,
-    new_instance_id,
-    shm_namespace_id,
     sweep_dead_instances,
-    validate_prefix,
 )
 from .sessions import Admission, SessionServer
 from .socket_dir import claim
@@ -279,8 +276,8 @@ class Daemon:
         self.config = dataclasses.replace(config or DaemonConfig(), **overrides)
         self._extensions = tuple(extensions)
         self._extension_stops: list[Callable[[], None]] = []
-        validate_prefix(self.config.name_prefix)
-        self.instance_id = new_instance_id()
+        shm_names.validate_prefix(self.config.name_prefix)
+        self.instance_id = shm_names.new_instance_id()
         self._state = "new"
         self._stop_event = threading.Event()
         self.tenants: list[Tenant] = []
@@ -350,11 +347,11 @@ class Daemon:
         nslots = cfg.resolved_object_slots(arena_nbytes) if objtable.available() else 0
         wait_share = max(1, cfg.grpc_workers // 2 // len(specs))
         for index, (key, uid, gid) in enumerate(specs):
-            base = f"{cfg.name_prefix}-{self.instance_id}-t{index}"
-            segment = Segment.create(f"{base}-arena", arena_nbytes)
+            base = shm_names.tenant_base(cfg.name_prefix, self.instance_id, index)
+            segment = Segment.create(shm_names.arena_name(base), arena_nbytes)
             objects = None
             if nslots:
-                table_segment = Segment.create(f"{base}-objects", objtable.table_nbytes(nslots))
+                table_segment = Segment.create(shm_names.table_name(base), objtable.table_nbytes(nslots))
                 try:
                     objects = ObjectBook(table_segment, nslots, cfg.handoff_window_ms)
                 except BaseException:
@@ -420,7 +417,7 @@ class Daemon:
     def _start_services(self) -> None:
         cfg = self.config
         _raise_fd_limit()
-        self._shm_namespace = cfg.shm_namespace or shm_namespace_id()
+        self._shm_namespace = cfg.shm_namespace or shm_names.shm_namespace_id()
         self._create_tenants()
         self.sessions = SessionServer(
             cfg.session_socket_path,

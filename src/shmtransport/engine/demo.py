@@ -25,7 +25,7 @@ MAX_TOKENS = 8
 
 
 def _kinds(renderer: Qwen2VLRenderer, large_renderer: Qwen2VLRenderer) -> dict:
-    from ..render.media import synthetic_image, synthetic_video
+    from ..frontend.media import synthetic_image, synthetic_video
 
     img = lambda w, h, seed, r=renderer: r.image(synthetic_image(w, h, seed))  # noqa: E731
     return {

@@ -26,7 +26,7 @@ import time
 from typing import Sequence
 
 from ..client import Consumer, Producer
-from ..protocol.frontend import NO_INLINE, build_request
+from ..frontend.request import NO_INLINE, build_request
 from ..protocol.items import FeatureItem
 from ..protocol.limits import DEFAULT_LIMITS
 from ..v1 import generate_pb2 as gpb
@@ -84,7 +84,7 @@ def send_stock(channel, producer: Producer | None, consumer: Consumer | None, to
     """vLLM's stock server through the SMG bridge; blake3 identities (SMG's ``mm_hashes``)."""
     from smg_grpc_proto import vllm_engine_pb2_grpc
 
-    from ..protocol.bridges.smg import to_smg, to_smg_shm
+    from ..bridges.smg import to_smg, to_smg_shm
 
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     t0 = time.perf_counter()

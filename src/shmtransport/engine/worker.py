@@ -36,11 +36,11 @@ import grpc
 from ..client import Consumer
 from ..errors import InvalidArgument, Reason, ShmTransportError, status_for
 from ..protocol import sampling as sampling_mod
-from ..protocol.bridges.capabilities import server_info
+from ..protocol.capabilities import server_info
 from ..protocol.limits import DEFAULT_LIMITS, Limits
-from ..protocol.worker import open_request
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
+from ..worker.request import open_request
 from . import environment
 
 _log = logging.getLogger("shmtransport.vllm_worker")
@@ -188,7 +188,7 @@ async def serve(args) -> None:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from ..worker.spec import grpc_options
+    from ..protocol.spec import grpc_options
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)

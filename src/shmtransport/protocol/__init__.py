@@ -1,4 +1,4 @@
-"""Wire protocol for preprocessed multimodal features (issue 4).
+"""Wire protocol for preprocessed multimodal features: pure (no sockets, no daemon, no client).
 
 Modules, one job each:
 
@@ -8,9 +8,13 @@ Modules, one job each:
 - ``envelope``: the Dynamo ``vllm_tito.features`` JSON envelope -> validated ``FeatureItem`` list.
 - ``validate``: shared rule checks and ``validate_request`` for a typed ``MultimodalRequest``.
 - ``routing``: routing markers (``hash_mm_identifier``) and Dynamo's ``extra_args`` routing metadata.
-- ``frontend``: ``FeatureItem`` list -> typed request, tensors put in shared memory once with the
-  identity fused.
-- ``worker``: typed request -> engine-ready inputs (zero-copy torch views), identity verification.
+- ``sampling``, ``folding``, ``kv_routing``: Generate controls, response folding, KV-routing identity.
+- ``spec``: what the frontend and the worker agree on (the model's token ids, patch geometry, the
+  worker's metadata keys and channel options).
+- ``capabilities``: the ``ServerInfo`` we advertise (shm namespace, identity schemes, limits).
+
+Building a request (``frontend.request``) and opening one (``worker.request``) use the client, so
+they live one layer up, on their own side.
 """
 from .items import FeatureItem, FieldConfig
 from .limits import MODALITIES, Limits

@@ -101,7 +101,7 @@ class FeatureItem:
     """One preprocessed item before it goes on the wire.
 
     ``kwargs`` maps key -> tensor (numpy array, CPU torch tensor, ``(dtype, shape, buffer)``) or an
-    already-committed ``client.Handle`` (loan -> commit with ``digest=True``). ``fields`` defaults to
+    already-committed ``Handle`` (loan -> commit with ``digest=True``). ``fields`` defaults to
     batched for every key. ``mm_hash`` is the producer's identity when it already has one (the
     envelope's); it is checked against the recomputed identity, never trusted.
     """

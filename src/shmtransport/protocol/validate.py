@@ -14,6 +14,7 @@ from typing import Any, Iterable, Sequence
 
 from ..embedmask import EmbedMask, PlaceholderRange
 from ..errors import InvalidArgument, Reason, ResourceExhausted
+from ..handle import Handle
 from ..identity import cache_identifier, validate_uuid
 from ..tensors import DTYPE_ITEMSIZE
 from ..v1 import features_pb2 as fpb
@@ -146,7 +147,7 @@ class CheckedTensor:
     shape: tuple[int, ...]
     nbytes: int
     kind: str  # "shm" | "inline" | "msgpack"
-    source: Any  # client.Handle (shm) or a bytes-like (inline / msgpack)
+    source: Any  # Handle (shm) or a bytes-like (inline / msgpack)
 
 
 @dataclasses.dataclass
@@ -194,8 +195,6 @@ def _placeholder(msg: fpb.PlaceholderRange, where: str) -> PlaceholderRange:
 
 
 def _tensor(key: str, td: fpb.TensorData, limits: Limits, where: str) -> CheckedTensor:
-    from ..client import Handle  # late: the client pulls in grpc channels
-
     shape = tuple(td.shape)
     expected = check_tensor_manifest(key, td.dtype, shape, limits)
     which = td.WhichOneof("payload")

@@ -28,8 +28,8 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from ..daemon.segments import SHM_DIR
 from ..errors import InvalidArgument, PermissionDenied
+from ..shm_names import SHM_DIR
 from ..v1 import remote_pb2 as rpb
 from ..v1 import remote_pb2_grpc as rpb_grpc
 from ._nixl import new_agent

@@ -23,7 +23,7 @@ MAX_DESCRIPTOR_NBYTES = 64 << 10
 
 
 def encode(handle, endpoint: str, agent_name: str, shm_namespace: str) -> fpb.RemoteTensorHandle:
-    """A ``RemoteTensorHandle`` for a ``client.Handle`` (or ``TensorHandle`` proto)."""
+    """A ``RemoteTensorHandle`` for a ``Handle`` (or ``TensorHandle`` proto)."""
     tensor = handle.to_proto() if hasattr(handle, "to_proto") else handle
     desc = rpb.NixlDescriptor(
         version=DESCRIPTOR_VERSION,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgument
-from .spec import (  # noqa: F401
+from ..protocol.spec import (  # noqa: F401
     AUDIO_END,
     AUDIO_FRAMES_PER_TOKEN,
     AUDIO_PAD,

@@ -37,15 +37,15 @@ from ..client import Consumer
 from ..errors import IdentityMismatch, InvalidArgument, Reason, ShmTransportError, Unavailable, status_for
 from ..identity import combine, tensor_digest
 from ..protocol import sampling as sampling_mod
-from ..protocol.bridges.capabilities import ServerInfoServicer
+from ..protocol.capabilities import ServerInfoServicer
 from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.spec import DEBUG_HOLD_KEY, INGEST_KEY, SEGMENT_PREFIX, TIMING_KEY, grpc_options  # noqa: F401
 from ..protocol.validate import validate_request
-from ..protocol.worker import open_request
 from ..tensors import DTYPES, to_torch
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
 from . import model as model_mod
-from .spec import DEBUG_HOLD_KEY, INGEST_KEY, SEGMENT_PREFIX, TIMING_KEY, grpc_options  # noqa: F401
+from .request import open_request
 
 _log = logging.getLogger("shmtransport.worker")
 

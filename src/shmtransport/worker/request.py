@@ -27,12 +27,12 @@ from ..client import Consumer
 from ..embedmask import PlaceholderRange
 from ..errors import IdentityMismatch, InvalidArgument
 from ..identity import combine, grpc_mm_identity, tensor_digest
+from ..protocol import routing
+from ..protocol.items import FieldConfig
+from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.validate import CheckedRequest, validate_request
 from ..tensors import DTYPES, to_torch
 from ..v1 import features_pb2 as fpb
-from . import routing
-from .items import FieldConfig
-from .limits import DEFAULT_LIMITS, Limits
-from .validate import CheckedRequest, validate_request
 
 FALLBACK_UUID_PREFIX = "shmtransport-fallback:"
 VERIFY = ("always", "never")

@@ -3,7 +3,7 @@
 Tensors go into shared memory with ONE copy (``Producer.put_many(digest=True)``: the per-tensor
 XXH3-128 tree digest is fused into that copy), and each item's identity is ``identity.combine``
 over those per-tensor digests, so nothing is hashed twice. Tensors already in shared memory
-(``client.Handle`` from loan -> commit with ``digest=True``) are referenced, not copied.
+(``Handle`` from loan -> commit with ``digest=True``) are referenced, not copied.
 
 Transport modes: ``"shm"`` (default; TensorData.shm handles), ``"inline"`` (TensorData.inline raw
 bytes) and ``"msgpack"`` (vLLM's kwargs MessagePack in ``kwargs_msgpack``; the only mode for the
@@ -25,14 +25,14 @@ from .. import objtable
 from ..client import Handle, Producer
 from ..errors import IdentityMismatch, InvalidArgument
 from ..identity import cache_identifier, combine, grpc_mm_identity, tensor_digest
+from ..protocol import routing
+from ..protocol.envelope import decode_envelope
+from ..protocol.items import SCHEME_TO_PB, FeatureItem, modality_to_pb
+from ..protocol.limits import DEFAULT_LIMITS, U32_MAX, Limits
+from ..protocol.msgpack_kwargs import encode_kwargs_item
+from ..protocol.validate import check_modality_name, check_placeholders, check_uuid, limit_exceeded
 from ..tensors import DTYPES, as_byte_array, to_torch
 from ..v1 import features_pb2 as fpb
-from . import routing
-from .envelope import decode_envelope
-from .items import SCHEME_TO_PB, FeatureItem, modality_to_pb
-from .limits import DEFAULT_LIMITS, U32_MAX, Limits
-from .msgpack_kwargs import encode_kwargs_item
-from .validate import check_modality_name, check_placeholders, check_uuid, limit_exceeded
 
 MODES = ("shm", "inline", "msgpack")
 
@@ -259,7 +259,7 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
             if scheme == "grpc-mm":
                 identity = grpc_mm_identity(it.modality, raw)
             else:
-                from .msgpack_kwargs import decode_kwargs_item
+                from ..protocol.msgpack_kwargs import decode_kwargs_item
 
                 decoded = decode_kwargs_item(raw, limits)
                 decoded.require_tensors(f"{it.modality} item {i}")  # the identity covers tensors only
@@ -319,7 +319,7 @@ def routing_metadata(request: fpb.MultimodalRequest, *, exact: bool = True) -> d
     ``None`` (Dynamo's worker keeps it, aligned; vLLM hashes that item itself). ``exact=False`` (the
     router fell back to token-only routing: ``kv_routing.RoutingIdentity.multimodal`` is False) omits
     the hashes, as Dynamo does: their presence turns on multimodal keys in the worker's KV events."""
-    from .items import modality_from_pb
+    from ..protocol.items import modality_from_pb
 
     hashes: dict[str, list[str | None]] = {}
     placeholders: dict[str, list[Any]] = {}

@@ -4,13 +4,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...client import Consumer
-from ...embedmask import PlaceholderRange
-from ...errors import InvalidArgument
-from ...v1 import features_pb2 as fpb
-from ..items import FieldConfig
-from ..limits import DEFAULT_LIMITS, Limits
-from ..msgpack_kwargs import encode_kwargs_item
+from ..client import Consumer
+from ..embedmask import PlaceholderRange
+from ..errors import InvalidArgument
+from ..protocol.items import FieldConfig
+from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.msgpack_kwargs import encode_kwargs_item
+from ..v1 import features_pb2 as fpb
 
 
 class Unrepresentable(InvalidArgument):
@@ -34,7 +34,7 @@ class ItemPayload:
 def item_payloads(multimodal: fpb.MultimodalRequest, consumer: Consumer | None,
                   limits: Limits = DEFAULT_LIMITS, verify: str = "always") -> list[ItemPayload]:
     """Open the features (identity verified), copy each item out of shared memory, release."""
-    from ..worker import open_request
+    from ..worker.request import open_request
 
     raws = [it.kwargs_msgpack if it.HasField("kwargs_msgpack") else None
             for b in multimodal.batches for it in b.items]

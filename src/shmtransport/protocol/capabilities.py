@@ -1,11 +1,11 @@
 """What we advertise: ``ServerInfo`` (shm namespace, identity schemes, limits, native Generate)."""
 from __future__ import annotations
 
-from ...daemon.segments import shm_namespace_id
-from ...identity import SCHEMES
-from ...v1 import generate_pb2 as gpb
-from ...v1 import generate_pb2_grpc as gpb_grpc
-from ..limits import DEFAULT_LIMITS, Limits
+from ..identity import SCHEMES
+from ..shm_names import shm_namespace_id
+from ..v1 import generate_pb2 as gpb
+from ..v1 import generate_pb2_grpc as gpb_grpc
+from .limits import DEFAULT_LIMITS, Limits
 
 __all__ = ["server_info", "same_shm_namespace", "ServerInfoServicer"]
 

@@ -29,13 +29,13 @@ import numpy as np
 from ..client import Handle, Loan, Producer
 from ..errors import DeadlineExceeded, InvalidArgument, Reason, ShmTransportError, Unavailable, error_from_rpc
 from ..protocol.folding import fold
-from ..protocol.frontend import DEFAULT_INLINE, BuiltRequest, InlinePolicy, build_request
 from ..protocol.items import FeatureItem
 from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.spec import TIMING_KEY, grpc_options
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
-from ..worker.spec import TIMING_KEY, grpc_options
 from .prompt import expand_prompt
+from .request import DEFAULT_INLINE, BuiltRequest, InlinePolicy, build_request
 
 __all__ = ["Item", "Outcome", "Prepared", "Frontend", "WorkerUnavailable"]
 

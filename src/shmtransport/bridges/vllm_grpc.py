@@ -18,17 +18,17 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ...client import Consumer
-from ...embedmask import EmbedMask
-from ...errors import InvalidArgument
-from ...identity import grpc_mm_identity
-from ...v1 import features_pb2 as fpb
-from ...v1 import generate_pb2 as gpb
-from ...v1 import vllm_inference_pb2 as vpb
-from ..items import SCHEME_TO_PB, modality_from_pb, modality_to_pb
-from ..limits import DEFAULT_LIMITS, Limits
-from ..sampling import project_sampling, prompt_token_ids
-from ..validate import limit_exceeded
+from ..client import Consumer
+from ..embedmask import EmbedMask
+from ..errors import InvalidArgument
+from ..identity import grpc_mm_identity
+from ..protocol.items import SCHEME_TO_PB, modality_from_pb, modality_to_pb
+from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.sampling import project_sampling, prompt_token_ids
+from ..protocol.validate import limit_exceeded
+from ..v1 import features_pb2 as fpb
+from ..v1 import generate_pb2 as gpb
+from ..v1 import vllm_inference_pb2 as vpb
 from .common import item_payloads, unrepresentable
 
 TARGET = "vLLM gRPC (package vllm)"
@@ -228,7 +228,7 @@ def chunks_from_vllm(responses: Iterable[vpb.GenerateResponse]) -> Iterable[gpb.
     for r in responses:
         o = r.outputs
         if len(o.ranks) not in (0, len(o.token_ids)) or len(o.candidate_tokens) not in (0, len(o.token_ids)):
-            from ..folding import MalformedResponse
+            from ..protocol.folding import MalformedResponse
 
             raise MalformedResponse("vLLM response: ranks / candidate_tokens do not align with token_ids")
         c = gpb.GenerateStreamChunk(index=o.index, num_tokens=o.num_tokens, token_ids=o.token_ids,

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..embedmask import EmbedMask, PlaceholderRange
-from ..worker import spec as m
+from ..protocol import spec as m
 
 
 def tokenize(text: str) -> list[int]:
@@ -35,7 +35,7 @@ def _grid(kwargs: dict[str, Any], key: str) -> np.ndarray:
     g = kwargs[key]
     if hasattr(g, "shape") and not isinstance(g, np.ndarray) and hasattr(g, "numpy"):
         g = g.numpy()
-    if not isinstance(g, np.ndarray):  # a committed client.Handle never carries a grid: grids are small arrays
+    if not isinstance(g, np.ndarray):  # a committed Handle never carries a grid: grids are small arrays
         raise TypeError(f"{key} must be a numpy array")
     return g.reshape(-1, 3).astype(np.int64)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..worker.spec import MERGE, PATCH_DIM
+from ..protocol.spec import MERGE, PATCH_DIM
 
 SAMPLE_RATE = 16_000
 TEMPORAL_PATCH = 2

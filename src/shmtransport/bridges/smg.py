@@ -48,11 +48,11 @@ without hashes, the worker then hashes itself). Defaults SMG cannot omit are wri
 """
 from __future__ import annotations
 
-from ...client import Consumer
-from ...errors import InvalidArgument
-from ...v1 import generate_pb2 as gpb
-from ..limits import DEFAULT_LIMITS, Limits
-from ..sampling import project_sampling, prompt_token_ids
+from ..client import Consumer
+from ..errors import InvalidArgument
+from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.sampling import project_sampling, prompt_token_ids
+from ..v1 import generate_pb2 as gpb
 from .common import item_payloads, unrepresentable
 
 TARGET = "SMG vllm_engine.GenerateRequest"
@@ -203,7 +203,7 @@ class _Batch:
 def _plan(modality: str, items: list, drop_identities: bool) -> _Batch:
     import torch
 
-    from ...tensors import dtype_name
+    from ..tensors import dtype_name
 
     if modality not in _SMG_MODALITIES:
         raise unrepresentable(TARGET, f"{modality} items", "SMG's modality_name reads every batch that is not "
@@ -298,7 +298,7 @@ def _sizes_keys(plan: _Batch, taken: set) -> dict[str, str]:
 def _features(pb, out, mm, consumer, drop_identities, limits, sink) -> None:
     import torch
 
-    from ..items import modality_to_pb
+    from ..protocol.items import modality_to_pb
 
     # pre-checks on the typed request (before touching shared memory)
     for batch in mm.batches:
@@ -341,7 +341,7 @@ def _features(pb, out, mm, consumer, drop_identities, limits, sink) -> None:
 
 
 def _tensor_data(td, tensor) -> None:
-    from ...tensors import as_byte_array
+    from ..tensors import as_byte_array
 
     flat, dtype, shape = as_byte_array(tensor)
     td.shape.extend(shape)

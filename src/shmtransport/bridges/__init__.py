@@ -5,9 +5,8 @@
 - ``smg``: SMG / ``vllm serve --grpc`` (``smg_grpc_proto`` ``vllm.grpc.engine.GenerateRequest``):
   one batch per modality with SMG's batched / flat (``flat_keys`` + sizes tensor) / shared layouts,
   tensors inline or as ShmHandles of dedicated segments, checked against SMG's real reader.
-- ``capabilities``: the ``ServerInfo`` we advertise (shm namespace, identity schemes, limits).
-
-Both request bridges reject, with a message naming the control, what the target cannot represent.
+They read our request as a worker does (``worker.request``), so they sit above the worker layer.
+Both bridges reject, with a message naming the control, what the target cannot represent.
 """
 from .common import Unrepresentable
 
