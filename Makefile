@@ -27,12 +27,12 @@ $(STAMP): pyproject.toml setup.py csrc/build_native.py $(wildcard csrc/*.c csrc/
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m shmtransport.demo $(ARGS)
+	$(PY) examples/demo.py $(ARGS)
 
 test: setup lint test-c test-python
 
 lint: setup
-	$(VENV)/bin/ruff check src tests tools benchmarks
+	$(VENV)/bin/ruff check src tests tools benchmarks examples
 
 # SHMTRANSPORT_REQUIRE_EXTRAS: here every optional package is installed, so a test skipped for want
 # of one is a failure (in the fresh venvs of test-dist such tests skip).
@@ -57,10 +57,10 @@ bench-quick: setup
 
 # The full chaos run (CI runs 200 iterations inside make test) and the 10-minute soak.
 chaos: setup
-	$(PY) -m shmtransport.chaos --iterations 2000 --seed 1 --json benchmarks/results/chaos.json
+	$(PY) tools/chaos.py --iterations 2000 --seed 1 --json benchmarks/results/chaos.json
 
 soak: setup
-	$(PY) -m shmtransport.chaos --soak-s 600 --seed 1
+	$(PY) tools/chaos.py --soak-s 600 --seed 1
 
 # Regenerate the committed gRPC/protobuf code (tests fail when it is out of date).
 proto: setup

@@ -24,12 +24,9 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
-import sys
 import warnings
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` (a re-export) still works
 
 from shmtransport import testing  # noqa: E402
 from shmtransport.daemon import Daemon  # noqa: E402

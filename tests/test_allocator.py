@@ -124,7 +124,7 @@ def test_request_larger_than_the_arena_raises_arena_full():
     a = Allocator(8 * KiB)
     with pytest.raises(ResourceExhausted) as info:
         a.allocate(8 * KiB + 1)
-    assert info.value.reason is Reason.ARENA_FULL
+    assert (info.value.reason, info.value.field, info.value.limit) == (Reason.ARENA_FULL, "nbytes", 8 * KiB)
     assert a.used_nbytes == 0
 
 

@@ -397,9 +397,35 @@ def test_a_loan_warns_when_dropped_uncommitted_not_after_its_handle_took_over(ma
             gc.collect()
         assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
         leaked = producer.loan(64)
-        with pytest.warns(ResourceWarning, match="never released"):
+        with pytest.warns(ResourceWarning, match="never released: released by the garbage collector"):
             del leaked
             gc.collect()
+        # ... and then released, long before the producer closes: the bytes are free again.
+        testing.wait_until(lambda: daemon.stat().used_nbytes == 0, timeout_s=TIMEOUT_S,
+                           what="the dropped loan given back")
+
+
+@pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
+def test_a_lease_dropped_unreleased_warns_then_is_released_once_no_view_of_it_is_left(make_daemon, object_slots):
+    import gc
+
+    daemon = make_daemon(object_slots=object_slots)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        first, second = producer.put_many([np.full(4096, 1, np.uint8), np.full(4096, 2, np.uint8)])
+        dropped, viewed = consumer.acquire_many([first, second])
+        producer.release([first, second], wait=True)  # the leases are the last references
+        row = viewed.array[:8]  # a view that outlives its lease object
+        with pytest.warns(ResourceWarning, match="never released: released by the garbage collector"):
+            del dropped, viewed
+            gc.collect()
+        testing.wait_until(lambda: daemon.stat().live_objects == 1, timeout_s=TIMEOUT_S,
+                           what="the unviewed lease released, its object freed")
+        consumer.flush()
+        assert (row == 2).all() and daemon.stat().live_objects == 1  # the viewed one waits for its view
+        del row
+        testing.wait_until(lambda: daemon.stat().live_objects == 0, timeout_s=TIMEOUT_S,
+                           what="the viewed lease released once its view was gone")
 
 
 def test_tensor_without_torch_says_what_to_install_and_acquire_of_a_non_handle_is_refused(daemon, monkeypatch):

@@ -120,9 +120,11 @@ def test_quota_applies(make_daemon):
     daemon = make_daemon(quota_nbytes=1 << 16)
     before = daemon.segment_names
     with Producer(daemon.socket_path, timeout_s=10) as producer:
-        from shmtransport.errors import ResourceExhausted
+        from shmtransport.errors import Reason, ResourceExhausted
 
-        with pytest.raises(ResourceExhausted, match="quota"):
+        with pytest.raises(ResourceExhausted) as info:
             producer.put(np.zeros(1 << 17, np.uint8), dedicated=True)
+        assert (info.value.reason, info.value.field, info.value.limit) == (Reason.QUOTA_EXCEEDED, "nbytes", 1 << 16)
+        del info
     assert daemon.stat().live_objects == 0
     assert daemon.segment_names == before  # no dedicated segment was left behind

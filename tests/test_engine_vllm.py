@@ -154,7 +154,7 @@ def test_content_decides_the_output(vllm_session):
 def test_worker_refuses_bytes_that_do_not_match_their_identity(vllm_session):
     """A handle whose bytes changed after the digest was taken never reaches vLLM (which trusts
     mm_hashes blindly and would answer from its cache)."""
-    from shmtransport.errors import IdentityMismatch, error_from_status
+    from shmtransport.errors import IdentityMismatch, error_from_rpc
     from shmtransport.frontend.request import NO_INLINE, build_request
     from shmtransport.v1 import generate_pb2 as gpb
     from shmtransport.v1 import generate_pb2_grpc as gpb_grpc
@@ -169,6 +169,6 @@ def test_worker_refuses_bytes_that_do_not_match_their_identity(vllm_session):
         req.token_ids.ids.extend(prompt.token_ids)
         with pytest.raises(grpc.RpcError) as err:
             gpb_grpc.GeneratorStub(s["channels"]["ours"]).Generate(req, timeout=60)
-    assert isinstance(error_from_status(err.value.code(), err.value.details()), IdentityMismatch)
+    assert isinstance(error_from_rpc(err.value), IdentityMismatch)
     stat = testing.settle_daemon(s["daemon"], timeout_s=10)
     assert stat.live_leases == 0

@@ -14,8 +14,11 @@ import time
 import numpy as np
 import pytest
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tools"))
+
+from chaos import DaemonProcess, shm_segments
+
 from shmtransport import testing
-from shmtransport.chaos import DaemonProcess, shm_segments
 from shmtransport.client import Consumer, Producer
 from shmtransport.errors import Reason, ResourceExhausted, ShmTransportError
 from shmtransport.testing import BlockingChild, hold_until_told, run_in_child, start_children, wait_until
@@ -221,6 +224,7 @@ def test_an_object_larger_than_the_arena_is_refused_at_once_naming_the_arena_not
         with pytest.raises(ResourceExhausted) as info:
             producer.put(np.zeros(8 * MiB, np.uint8), dedicated=dedicated)
         assert time.monotonic() - start < 4.0  # it can never fit: no back-pressure wait
+        assert info.value.limit == 4 * MiB  # the arena's size, on both paths
         message = str(info.value)
         assert "quota exceeded" not in message and "arena" in message and "--arena-size" in message, message
         del info
@@ -232,8 +236,8 @@ def test_a_configured_quota_is_named_as_the_quota(make_daemon, object_slots):
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
         with pytest.raises(ResourceExhausted) as info:
             producer.put(np.zeros(3 * MiB, np.uint8))
-        assert info.value.reason is Reason.QUOTA_EXCEEDED
-        assert "quota 2097152 (--quota-bytes)" in str(info.value)
+        assert (info.value.reason, info.value.field, info.value.limit) == (Reason.QUOTA_EXCEEDED, "nbytes", 2 * MiB)
+        assert "(--quota-bytes)" in str(info.value)  # the advice: which option sets that limit
         del info
 
 

@@ -14,7 +14,6 @@ never committed, released or freed by the fuzzing session.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import socket
@@ -27,10 +26,10 @@ from hypothesis import strategies as st
 
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.daemon.registry import ObjState
-from shmtransport.errors import _TABLE, Reason, ShmTransportError
+from shmtransport.errors import _TABLE, REASON_KEY, Reason, ShmTransportError
 from shmtransport.objtable import COMMITTED, HELD, LOANED
 from shmtransport.v1 import daemon_pb2 as pb
-from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY
+from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY, frame_payload, framed
 
 TIMEOUT_S = 5.0
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))
@@ -56,20 +55,27 @@ class RawSession:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(TIMEOUT_S)
         self.sock.connect(socket_path + ".session")
-        self.sock.sendall(b'{"access": "rw"}\n')
-        line, fds, _, _ = socket.recv_fds(self.sock, 65536, 1)
-        for fd in fds:  # the arena's fd: these calls never touch its bytes
+        self.sock.sendall(framed(pb.SessionRequest(access=pb.SESSION_ACCESS_READ_WRITE).SerializeToString()))
+        data, fds = b"", []
+        while (payload := frame_payload(data, 65536)) is None:
+            chunk, new_fds, _, _ = socket.recv_fds(self.sock, 65536, 2)
+            assert chunk, "the daemon closed the session socket during the handshake"
+            data += chunk
+            fds += new_fds
+        for fd in fds:  # the arena's and the table's fds: these calls never touch their bytes
             os.close(fd)
-        self.hello = json.loads(line)
+        self.hello = pb.SessionReply.FromString(payload).hello
         self.channel = grpc.insecure_channel(f"unix:{socket_path}", options=GRPC_OPTIONS)
-        self.metadata = ((SESSION_METADATA_KEY, self.hello["token"]),)
+        self.metadata = ((SESSION_METADATA_KEY, self.hello.token),)
 
-    def raw(self, method: str, payload: bytes) -> tuple[grpc.StatusCode, str, bytes | None]:
+    def raw(self, method: str, payload: bytes) -> tuple[grpc.StatusCode, tuple[str, str], bytes | None]:
+        """(code, refusal, body); a refusal is the reason its trailing metadata carries and its message."""
         call = self.channel.unary_unary(f"/shmtransport.v1.Daemon/{method}")  # bytes in, bytes out
         try:
-            return grpc.StatusCode.OK, "", call(payload, timeout=TIMEOUT_S, metadata=self.metadata)
+            return grpc.StatusCode.OK, ("", ""), call(payload, timeout=TIMEOUT_S, metadata=self.metadata)
         except grpc.RpcError as err:
-            return err.code(), err.details() or "", None
+            carried = dict(err.trailing_metadata() or ())
+            return err.code(), (carried.get(REASON_KEY, ""), err.details() or ""), None
 
     def call(self, method: str, request):
         code, details, body = self.raw(method, request.SerializeToString())
@@ -82,7 +88,7 @@ class RawSession:
         self.sock.close()
 
 
-def check_answer(daemon, method: str, payload: bytes, code, details: str, body) -> str:
+def check_answer(daemon, method: str, payload: bytes, code, details: tuple[str, str], body) -> str:
     """The per-input invariant; returns the verdict (``ok`` or the reason)."""
     try:
         request = REQUESTS[method].FromString(payload)
@@ -90,9 +96,8 @@ def check_answer(daemon, method: str, payload: bytes, code, details: str, body) 
         assert code is not grpc.StatusCode.OK or method in ("Info", "Stat"), (method, code)
         return "unparsable"
     if code is not grpc.StatusCode.OK:
-        head = details.partition(": ")[0]
         try:
-            reason = Reason(head)
+            reason = Reason(details[0])
         except ValueError:
             raise AssertionError(f"{method}: untyped refusal {code} {details!r}") from None
         assert reason is not Reason.INTERNAL, f"{method}: handler raised an unexpected exception: {details!r}"

@@ -18,7 +18,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT_S = 300
 SOURCES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md", "csrc", "src",
-           "proto", "tests", "benchmarks", "docs", "tools", "Makefile")
+           "proto", "tests", "benchmarks", "docs", "tools", "examples", "Makefile")
 
 
 def _copy_sources(dest: pathlib.Path) -> pathlib.Path:
@@ -58,7 +58,9 @@ def test_without_a_compiler_the_build_warns_and_leaves_out_only_the_kernels(comp
     assert "the C kernels could not be built (is a C compiler installed?)" in output
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.endswith(".so")]
-    assert "shmtransport/_purepy.py" in names and "shmtransport/client.py" in names
+    assert "shmtransport/_purepy.py" in names and "shmtransport/client/__init__.py" in names
+    # the runtime only: the chaos harness (tools/) and the demo (examples/) stay in the sdist
+    assert not {"shmtransport/chaos.py", "shmtransport/demo.py"} & set(names)
 
 
 def test_without_a_compiler_the_installed_package_runs_on_pure_python_kernels(compilerless_wheel, tmp_path):
@@ -100,9 +102,10 @@ def test_the_sdist_carries_what_its_tests_need(tmp_path):
     (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    for needed in ("tests/conftest.py", "tests/helpers.py", "tests/golden/identity_vectors.json",
+    for needed in ("tests/conftest.py", "tests/golden/identity_vectors.json",
                    "tests/fuzz_corpus/README.md", "proto/vllm/inference.proto", "csrc/shmt_kernels.c",
-                   "csrc/build_native.py", "LICENSE", "CHANGELOG.md", "Makefile", "tools/venv_fixups.py"):
+                   "csrc/build_native.py", "LICENSE", "CHANGELOG.md", "Makefile", "tools/venv_fixups.py",
+                   "tools/chaos.py", "examples/demo.py"):
         assert needed in names, needed
     assert not [n for n in names if n.endswith((".so", ".pyc"))]
 

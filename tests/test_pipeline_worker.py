@@ -21,7 +21,7 @@ from shmtransport.frontend.generate import Frontend, Item, WorkerUnavailable
 from shmtransport.frontend.media import synthetic_features
 from shmtransport.frontend.request import DEFAULT_INLINE, NO_INLINE
 from shmtransport.protocol.limits import DEFAULT_LIMITS
-from shmtransport.protocol.spec import DEBUG_HOLD_KEY
+from shmtransport.protocol.spec import DEBUG_HOLD_KEY, INGEST_KEY
 from shmtransport.v1 import generate_pb2 as gpb
 from shmtransport.worker.process import WorkerProcess, start_daemon_process, stop_process
 
@@ -214,6 +214,9 @@ def test_malformed_requests_rejected(stack, fe):
     prepared.request.text = "hello"  # a text prompt instead of token ids
     with pytest.raises(InvalidArgument, match="text prompt"):
         fe.send(prepared)
+    # an ingest this worker was not given (``GeneratorService(ingests=...)``; the benchmark's own worker has it)
+    with pytest.raises(InvalidArgument, match="ingest 'segment-pread' is not served by this worker"):
+        fe.generate(kind_items("image"), metadata=((INGEST_KEY, "segment-pread"),))
     assert stack.settled()
 
 
@@ -287,7 +290,8 @@ def test_demo_quick_runs_clean(worker):
         # pure-Python backend is covered by test_engine_vllm.py.
         pytest.skip("make demo runs the C backend")
     before = {n for n in os.listdir("/dev/shm") if n.startswith("shmtdemo")}
-    proc = subprocess.run([sys.executable, "-m", "shmtransport.demo", "--quick", "--worker", worker],
+    demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "demo.py")
+    proc = subprocess.run([sys.executable, demo, "--quick", "--worker", worker],
                           capture_output=True, text=True, timeout=150 if worker == "reference" else 840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "leftovers: none" in proc.stdout

@@ -7,7 +7,6 @@ import gc
 import numpy as np
 import pytest
 import torch
-from helpers import run_in_child
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from shmtransport.frontend.request import DEFAULT_INLINE, NO_INLINE, InlinePolic
 from shmtransport.identity import item_identity
 from shmtransport.protocol.items import FeatureItem, FieldConfig
 from shmtransport.protocol.limits import DEFAULT_LIMITS
+from shmtransport.testing import run_in_child
 from shmtransport.v1 import features_pb2 as fpb
 from shmtransport.worker import request as worker
 

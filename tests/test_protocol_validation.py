@@ -63,6 +63,14 @@ def request_rejects(req, match, cls=InvalidArgument, reason=Reason.INVALID_ARGUM
     assert_reason(excinfo, cls, reason)
 
 
+def over_limit(call, limit: int, field: str | None) -> None:
+    """``call()`` is refused as over ``limit``, naming the request ``field`` that carries it."""
+    with pytest.raises(ResourceExhausted) as excinfo:
+        call()
+    assert_reason(excinfo, ResourceExhausted, Reason.QUOTA_EXCEEDED)
+    assert (excinfo.value.limit, excinfo.value.field) == (limit, field)
+
+
 # -- envelope shape --------------------------------------------------------------------------------
 def test_valid_envelope_decodes():
     items = decode_envelope(envelope(image=[("h", {"offset": 0, "length": 3, "is_embed": [True, False, True]},
@@ -389,7 +397,7 @@ def test_field_configs_differ_across_items():
 # -- limits ----------------------------------------------------------------------------------------
 def test_inline_item_count_limit():
     env = envelope(image=[(f"h{i}", [2 * i, 1], kw_b64()) for i in range(65)])
-    rejects(env, "limit max_inline_items=64 exceeded: 65", ResourceExhausted, Reason.QUOTA_EXCEEDED)
+    over_limit(lambda: decode_envelope(env), 64, None)  # the envelope's fields are JSON keys, not a request's
 
 
 def test_inline_typed_item_count_limit():
@@ -400,7 +408,7 @@ def test_inline_typed_item_count_limit():
     extra.placeholder.offset = 1000
     req.batches[0].ClearField("mm_hashes")
     req.batches[0].ClearField("mm_placeholders")
-    request_rejects(req, "limit max_inline_items=64 exceeded", ResourceExhausted, Reason.QUOTA_EXCEEDED)
+    over_limit(lambda: validate_request(req), 64, "batches[0].items[64]")
 
 
 def test_inline_aggregate_bytes_limit_16_mib():
@@ -409,13 +417,13 @@ def test_inline_aggregate_bytes_limit_16_mib():
     del t.shape[:]
     t.shape.extend([(16 << 20) // 4 + 1])
     t.inline = bytes(16 * (1 << 20) + 4)
-    request_rejects(req, "limit max_inline_bytes=16777216 exceeded", ResourceExhausted, Reason.QUOTA_EXCEEDED)
+    over_limit(lambda: validate_request(req), 16 << 20, "batches[0].items[0].kwargs")
 
 
 def test_inline_envelope_bytes_limit():
     big = kw_b64({"x": np.zeros(600, np.uint8)})
-    rejects(envelope(image=[("h0", [0, 1], big), ("h1", [1, 1], big)]), "limit max_inline_bytes=1000",
-            ResourceExhausted, Reason.QUOTA_EXCEEDED, limits=Limits(max_inline_bytes=1000))
+    env = envelope(image=[("h0", [0, 1], big), ("h1", [1, 1], big)])
+    over_limit(lambda: decode_envelope(env, limits=Limits(max_inline_bytes=1000)), 1000, None)
 
 
 def test_shm_path_has_no_16_mib_cap_and_its_own_byte_limit():
@@ -425,14 +433,13 @@ def test_shm_path_has_no_16_mib_cap_and_its_own_byte_limit():
     t.shape.extend([64 << 20])
     t.shm.name, t.shm.nbytes = "seg", 256 << 20  # float32[64 Mi] = 256 MiB through shm: accepted
     validate_request(req)
-    request_rejects(req, "limit max_shm_bytes=1048576 exceeded", ResourceExhausted, Reason.QUOTA_EXCEEDED,
-                    limits=Limits(max_shm_bytes=1 << 20))
+    over_limit(lambda: validate_request(req, limits=Limits(max_shm_bytes=1 << 20)), 1 << 20,
+               "batches[0].items[0].kwargs")
 
 
 def test_shm_item_count_limit_configurable():
     req = typed_request(n_items=3)
-    request_rejects(req, "limit max_items=2 exceeded: 3", ResourceExhausted, Reason.QUOTA_EXCEEDED,
-                    limits=Limits(max_items=2))
+    over_limit(lambda: validate_request(req, limits=Limits(max_items=2)), 2, "batches[0].items")
 
 
 # -- typed request structure -----------------------------------------------------------------------

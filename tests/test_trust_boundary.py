@@ -4,7 +4,6 @@ requests, waiting calls, and a Loan whose caller gives up. Each test fails on a 
 defence it names (see docs/security.md)."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -29,7 +28,7 @@ from shmtransport.errors import (
 from shmtransport.testing import BlockingChild, remove_tree, short_tmpdir, wait_until
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.v1 import daemon_pb2_grpc as pb_grpc
-from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY
+from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY, frame_payload, framed
 
 TIMEOUT_S = 10.0
 NOBODY = 65534
@@ -68,9 +67,10 @@ def _impostor(conn, directory: str) -> None:
     try:
         while chunk := peer.recv(4096):  # a real client would send its access request here
             received += chunk
-            if b"\n" in received:
-                peer.sendall(json.dumps({"instance_id": "0" * 12, "segment_name": "../../../etc/shadow",
-                                         "arena_nbytes": 4096, "session_id": "s", "token": "t"}).encode() + b"\n")
+            if frame_payload(received, 1024) is not None:
+                hello = pb.SessionHello(instance_id="0" * 12, segment_name="../../../etc/shadow", arena_nbytes=4096,
+                                        session_id="s", token="t")
+                peer.sendall(framed(pb.SessionReply(hello=hello).SerializeToString()))
     except OSError:
         pass
     conn.send(received)
@@ -92,7 +92,7 @@ def test_a_client_refuses_a_daemon_impostor_of_another_uid_before_sending_anythi
         remove_tree(directory)
 
 
-def _fake_daemon_same_uid(path: str, hello: dict, fd: int, ready: threading.Event, served: list) -> None:
+def _fake_daemon_same_uid(path: str, hello: pb.SessionHello, fd: int, ready: threading.Event, served: list) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".session")
     listener.listen(1)
@@ -102,7 +102,7 @@ def _fake_daemon_same_uid(path: str, hello: dict, fd: int, ready: threading.Even
         peer, _ = listener.accept()
         peer.settimeout(TIMEOUT_S)
         peer.recv(1024)
-        socket.send_fds(peer, [json.dumps(hello).encode() + b"\n"], [fd])
+        socket.send_fds(peer, [framed(pb.SessionReply(hello=hello).SerializeToString())], [fd])
         served.append(peer)
     finally:
         listener.close()
@@ -113,13 +113,14 @@ def test_a_client_checks_the_arena_it_is_handed_before_mapping_it(tmp_path, case
     """A daemon (even of the right uid) cannot make a client map a path, a world-readable file, or
     anything but a plain 0600 regular file of its own."""
     path = str(tmp_path / "d.sock")
-    socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).bind(path)  # the gRPC socket: a real socket
+    grpc_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    grpc_socket.bind(path)  # the gRPC socket: a real socket
     target = tmp_path / "victim"
     target.write_bytes(b"\0" * 4096)
     os.chmod(target, 0o644 if case == "world_readable_file" else 0o600)
     name = {"path_in_name": "../../tmp/victim", "symlinked_name": "shmt-x-arena/.."}.get(case, "shmt-ok-arena")
-    hello = {"instance_id": "0" * 12, "segment_name": name, "arena_nbytes": 4096, "shm_namespace": "x",
-             "session_id": "s", "token": "t"}
+    hello = pb.SessionHello(instance_id="0" * 12, segment_name=name, arena_nbytes=4096, shm_namespace="x",
+                            session_id="s", token="t")
     fd = os.open(target, os.O_RDWR)
     ready, served = threading.Event(), []
     thread = threading.Thread(target=_fake_daemon_same_uid, args=(path, hello, fd, ready, served))
@@ -131,6 +132,7 @@ def test_a_client_checks_the_arena_it_is_handed_before_mapping_it(tmp_path, case
     finally:
         thread.join(TIMEOUT_S)
         os.close(fd)
+        grpc_socket.close()
         for peer in served:
             peer.close()
     assert target.read_bytes() == b"\0" * 4096
@@ -188,7 +190,7 @@ def _tenant_nobody(conn, socket_path: str, foreign: bytes, root_segments: list[s
 
 
 def producer_arena_nbytes(producer: Producer) -> int:
-    return int(producer._conn.hello["arena_nbytes"])
+    return producer.stat().arena.nbytes
 
 
 @needs_root
@@ -267,7 +269,8 @@ def _idle_handshakes(conn, session_path: str, count: int) -> None:
     for s in socks:  # those over the bound are answered (refused) at once; the rest hear nothing
         s.settimeout(0.5)
         try:
-            refused += b"resource_exhausted" in s.recv(4096)
+            reply = pb.SessionReply.FromString(frame_payload(s.recv(4096), 4096) or b"")
+            refused += reply.refusal.reason == Reason.QUOTA_EXCEEDED.value
         except TimeoutError:
             pass
     conn.send(refused)
@@ -340,7 +343,7 @@ def test_unauthenticated_calls_are_refused_before_their_body_is_parsed(daemon):
 
 def test_requests_over_the_size_and_count_limits_are_refused_without_expansion(daemon):
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
-        token = producer._conn.hello["token"]
+        token = producer._conn.hello.token
         channel, stub = _raw_stub(daemon)
         metadata = ((SESSION_METADATA_KEY, token),)
         try:

@@ -14,7 +14,7 @@ Layers, bottom up; a module may import its own layer and the ones below it (``AL
   ``remote`` (the remote tier; its daemon extension may use the daemon): side by side, none
   imports another;
 - ``bridges``: our request -> stock servers' schemas (reads requests as a worker does);
-- ``app``: engine, CLI, demo, chaos harness, pytest plugin, testing.
+- ``app``: engine, CLI, pytest plugin, testing.
 Imports inside functions count: a lazy import is still a dependency.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ LAYER_OF_PREFIX = [  # first match wins
     ("protocol", "protocol"),
     ("frontend", "frontend"), ("worker", "worker"), ("remote", "remote"), ("bridges", "bridges"),
     ("engine", "app"), ("cli", "app"),
-    ("__main__", "app"), ("demo", "app"), ("chaos", "app"), ("pytest_plugin", "app"), ("testing", "app"),
+    ("__main__", "app"), ("pytest_plugin", "app"), ("testing", "app"),
 ]
 ALLOWED = {
     "base": {"base"},

@@ -2,7 +2,8 @@
 
     python benchmarks/run.py pipeline [--quick] [--json PATH]
 
-Three processes: shmtransportd, the worker server (``shmtransport worker``, CPU here: "on device" =
+Three processes: shmtransportd, the worker server (``shmtransport worker``'s, started by
+``benchmarks/peers/segment_pread_worker.py`` to add the segment_pread ingest; CPU here: "on device" =
 the verified tensors are in the worker's hands as torch tensors; on CUDA it includes the host->device
 copy) and this process as the frontend. One timed span = the frontend has the rendered tensors
 (numpy) -> the worker stamps ``on_device`` (its perf_counter, trailing metadata; CLOCK_MONOTONIC
@@ -18,8 +19,9 @@ Paths, alternating in rounds after warm-up, identity verification ON for all of 
   for images (``Renderer.image_into``) and video (``Renderer.assemble_video``).
 - ``inline``: tensors as ``TensorData.inline`` bytes (tobytes, serialize, gRPC, parse) -> digest.
 - ``segment_pread``: SMG style (benchmarks/peers/segment_pread.py): one fresh /dev/shm file per
-  tensor (O_EXCL, posix_fallocate, write) + the digest computed on the frontend; the worker preads
-  each file (copy 1) into a bytearray (copy 2), unlinks it and verifies the digest.
+  tensor (O_EXCL, posix_fallocate, write) + the digest computed on the frontend; the worker
+  (benchmarks/peers/segment_pread_worker.py) preads each file (copy 1) into a bytearray (copy 2),
+  unlinks it and verifies the digest.
 
 Rows: ``handoff`` per kind and path; ``verify_64MiB``: the worker-side identity check alone (the
 XXH3-128 tree digest of the 64 MiB request's bytes, in this process) and ratio
@@ -42,9 +44,10 @@ import traceback
 
 import numpy as np
 from harness import Report
+from peers import segment_pread_worker
+from peers.segment_pread import PREFIX as SEG_PREFIX
 
 MiB = 1 << 20
-SEG_PREFIX = "stbench_seg_"
 BIG = "64MiB"
 KINDS = {  # name -> list of (modality, grid)
     "image_448": [("image", (1, 32, 32))],
@@ -80,8 +83,8 @@ class SegmentFrontend:
         from shmtransport.frontend.generate import Prepared
         from shmtransport.frontend.prompt import expand_prompt
         from shmtransport.frontend.request import placeholder_to_proto
-        from shmtransport.identity import cache_identifier, combine, tensor_digest
-        from shmtransport.protocol.items import SCHEME_TO_PB, modality_to_pb
+        from shmtransport.identity import SCHEMES, cache_identifier, combine, tensor_digest
+        from shmtransport.protocol.items import modality_to_pb
         from shmtransport.tensors import as_byte_array
         from shmtransport.v1 import daemon_pb2 as dpb
         from shmtransport.v1 import features_pb2 as fpb
@@ -94,7 +97,7 @@ class SegmentFrontend:
             batch = batches.get(it.modality)
             if batch is None:
                 batch = batches[it.modality] = mm.batches.add(modality=modality_to_pb(it.modality),
-                                                              identity_scheme=SCHEME_TO_PB["xxh3-128"])
+                                                              identity_scheme=SCHEMES["xxh3-128"].pb)
             msg = batch.items.add(placeholder=placeholder_to_proto(ph))
             entries = []
             for key in sorted(it.kwargs):
@@ -165,7 +168,7 @@ def run(quick: bool) -> Report:
     try:
         daemon = start_daemon_process(d_sock, 512 * MiB, prefix)
         worker = WorkerProcess(os.path.join(tmp, "w.sock"), d_sock, device="cpu", max_inline_bytes=cap,
-                               allow_segment_pread=True)
+                               entry=(str(segment_pread_worker.SCRIPT),))
         noverify = WorkerProcess(os.path.join(tmp, "w2.sock"), d_sock, device="cpu", max_inline_bytes=cap,
                                  extra_args=("--verify", "never"))
         with Producer(d_sock) as producer, Frontend(worker.address, producer, limits=limits) as fe, \
@@ -189,7 +192,7 @@ def run(quick: bool) -> Report:
                             del run_items
                         elif path == "segment_pread":
                             prepared = seg.build(fe, items, t0)
-                            out = _send(fe, prepared, ((INGEST_KEY, "segment-pread"),))
+                            out = _send(fe, prepared, ((INGEST_KEY, segment_pread_worker.INGEST),))
                             seg.written.clear()  # the worker unlinked them
                         elif path == "shm_noverify":
                             out = _send(fe_nv, fe_nv.build(items, "describe", mode="shm", sampling=_S,

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from . import _call_sites
-from .client import Consumer, Handle, Lease, Loan, Producer, _Client
+from .client import Consumer, Handle, Lease, Loan, Producer
+from .client.session import _Client
 from .errors import ClosedError, InvalidArgument, ShmTransportError, Unavailable
 
 __all__ = ["AsyncConsumer", "AsyncProducer"]

@@ -69,7 +69,8 @@ class Allocator:
         if size > self.nbytes:
             raise ResourceExhausted(
                 f"{nbytes} bytes can never fit: the arena has {self.nbytes} (shmtransport daemon --arena-size, "
-                "or a dedicated segment: loan(..., dedicated=True))", Reason.ARENA_FULL
+                "or a dedicated segment: loan(..., dedicated=True))", Reason.ARENA_FULL,
+                field="nbytes", limit=self.nbytes,
             )
         index = bisect.bisect_left(self._by_size, (size, -1))
         while index < len(self._by_size):

@@ -293,8 +293,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     server = WorkerServer(address, args.daemon_socket, device=args.device, verify=args.verify, limits=limits,
-                          allow_segment_pread=args.allow_segment_pread, host_register=not args.no_host_register,
-                          max_workers=args.max_workers, debug_hooks=args.debug_hooks)
+                          host_register=not args.no_host_register, max_workers=args.max_workers,
+                          debug_hooks=args.debug_hooks)
     server.start()
     print(f"shmtransport worker ready: {address} device {server.service.device} pid {os.getpid()}", flush=True)
     try:
@@ -388,7 +388,6 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-workers", type=int, default=4, help="gRPC handler threads")
     w.add_argument("--torch-threads", type=int, default=None)
     w.add_argument("--no-host-register", action="store_true", help="do not cudaHostRegister the arena")
-    w.add_argument("--allow-segment-pread", action="store_true", help=argparse.SUPPRESS)  # benchmark peer
     w.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)  # tests: x-shmt-debug-hold-ms
     w.add_argument("--log-level", default="WARNING")
     w.set_defaults(func=_run_worker)

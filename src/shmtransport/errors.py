@@ -1,8 +1,10 @@
 """One exception tree for the whole package, and the one table that maps it to gRPC status codes.
 
-Every error a client can cause carries a ``Reason``; the daemon sends the reason name in the
-status details so the client re-raises the same class. The table is used both ways: server side
-``status_for(exc)``, client side ``error_from_status(code, details)``.
+Every error a client can cause carries a ``Reason``, and may name the request ``field`` at fault
+and the ``limit`` it exceeded. A server sends the reason and those fields in trailing metadata
+(the details are the message alone), so the client re-raises the same class with the same fields.
+The table is used both ways: server side ``status_for(exc)`` (applied by ``error_boundary``),
+client side ``error_from_rpc(err)``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Reason(str, enum.Enum):
     SHM_TOO_SMALL = "shm_too_small"  # /dev/shm cannot back the requested arena
     FD_LIMIT = "fd_limit"  # the process is out of file descriptors
     PERMISSION_DENIED = "permission_denied"
+    UNKNOWN_SESSION = "unknown_session"  # no live session for the call's token: the client reconnects
     DAEMON_UNAVAILABLE = "daemon_unavailable"
     INSTANCE_MISMATCH = "instance_mismatch"  # handle of a dead daemon instance
     IDENTITY_MISMATCH = "identity_mismatch"
@@ -43,16 +46,23 @@ class ShmTransportError(Exception):
 
     default_reason = Reason.INTERNAL
 
-    def __init__(self, message: str, reason: Reason | None = None):
+    def __init__(self, message: str, reason: Reason | None = None, *, field: str | None = None,
+                 limit: int | None = None):
+        """``field``: the request field at fault (e.g. ``batches[0].items[1].kwargs``); ``limit``:
+        the limit it exceeded (a quota, a count). Both travel to the client with the reason."""
         super().__init__(message)
         self.reason = reason if reason is not None else self.default_reason
+        self.field = field
+        self.limit = limit
 
     @property
     def message(self) -> str:
         return str(self.args[0]) if self.args else ""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.message!r}, reason={self.reason.value})"
+        extra = "".join(f", {name}={value!r}" for name, value in (("field", self.field), ("limit", self.limit))
+                        if value is not None)
+        return f"{type(self).__name__}({self.message!r}, reason={self.reason.value}{extra})"
 
 
 class InvalidArgument(ShmTransportError, ValueError):
@@ -128,6 +138,7 @@ _TABLE: dict[Reason, tuple[type[ShmTransportError], grpc.StatusCode]] = {
     Reason.SHM_TOO_SMALL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.FD_LIMIT: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.PERMISSION_DENIED: (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    Reason.UNKNOWN_SESSION: (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     Reason.DAEMON_UNAVAILABLE: (Unavailable, grpc.StatusCode.UNAVAILABLE),
     Reason.INSTANCE_MISMATCH: (Unavailable, grpc.StatusCode.UNAVAILABLE),
     Reason.IDENTITY_MISMATCH: (IdentityMismatch, grpc.StatusCode.DATA_LOSS),
@@ -152,29 +163,63 @@ _BARE_STATUS: dict[grpc.StatusCode, Reason] = {
     grpc.StatusCode.DATA_LOSS: Reason.IDENTITY_MISMATCH,
 }
 
-_SEPARATOR = ": "
+# Trailing metadata keys of a typed error. The field is binary (``-bin``): it may name a kwarg
+# key, which is any text, and plain metadata values must be printable ASCII.
+REASON_KEY = "x-shmt-reason"
+FIELD_KEY = "x-shmt-field-bin"
+LIMIT_KEY = "x-shmt-limit"
 
 
-def status_for(exc: ShmTransportError) -> tuple[grpc.StatusCode, str]:
-    """Server side: the status code and details string that carry ``exc`` to the client."""
+def status_for(exc: ShmTransportError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str | bytes], ...]]:
+    """Server side: the status code, details and trailing metadata that carry ``exc`` to the client."""
     _, code = _TABLE[exc.reason]
-    return code, f"{exc.reason.value}{_SEPARATOR}{exc.message}"
+    metadata: list[tuple[str, str | bytes]] = [(REASON_KEY, exc.reason.value)]
+    if exc.field is not None:
+        metadata.append((FIELD_KEY, exc.field.encode("utf-8")))
+    if exc.limit is not None:
+        metadata.append((LIMIT_KEY, str(exc.limit)))
+    return code, exc.message, tuple(metadata)
 
 
-def error_from_status(code: grpc.StatusCode, details: str | None) -> ShmTransportError:
-    """Client side: rebuild the typed exception from a status (ours or a bare transport one)."""
-    details = details or code.name
-    head, sep, rest = details.partition(_SEPARATOR)
+def carried_reason(err: grpc.RpcError) -> Reason | None:
+    """The reason a server of ours sent with this failure (one we know, agreeing with the status
+    code), or None: a bare status from the transport, a proxy or a foreign server."""
+    value = next((v for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), None)
     try:
-        reason = Reason(head) if sep else None
+        reason = Reason(value)
     except ValueError:
-        reason = None
-    if reason is None or _TABLE[reason][1] != code:
-        reason = _BARE_STATUS.get(code, Reason.INTERNAL)
-        rest = details
-    cls, _ = _TABLE[reason]
-    return cls(rest, reason)
+        return None
+    return reason if _TABLE[reason][1] == err.code() else None
+
+
+def _int_or_none(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def error_from_rpc(err: grpc.RpcError) -> ShmTransportError:
-    return error_from_status(err.code(), err.details())
+    """Client side: rebuild the typed exception of a failed call. Without a reason of ours in its
+    trailing metadata (a transport failure such as UNAVAILABLE or DEADLINE_EXCEEDED, a proxy, a
+    foreign server) the class follows the status code alone, INTERNAL when nothing fits."""
+    reason = carried_reason(err)
+    if reason is None:
+        reason = _BARE_STATUS.get(err.code(), Reason.INTERNAL)
+        return _TABLE[reason][0](err.details() or err.code().name, reason)
+    carried = {key: value for key, value in (err.trailing_metadata() or ())}
+    field = carried.get(FIELD_KEY)
+    return _TABLE[reason][0](err.details() or "", reason,
+                             field=field.decode("utf-8", "replace") if isinstance(field, bytes) else None,
+                             limit=_int_or_none(carried.get(LIMIT_KEY)))
+
+
+def error_for_reason(reason: str, message: str) -> ShmTransportError:
+    """The typed error a reason's value names (a refusal that did not travel as a gRPC status, such
+    as the session handshake's); an unknown value is an ``InternalError`` that says so."""
+    try:
+        known = Reason(reason)
+    except ValueError:
+        return InternalError(f"unknown reason {reason!r}: {message}")
+    cls, _ = _TABLE[known]
+    return cls(message, known)

@@ -22,31 +22,33 @@ MessagePack bytes of its kwargs (``grpc_mm_identity``; recipe in reference/proto
 Those bytes are vLLM's ``MsgpackEncoder(size_threshold=2**62).encode(item)[0]``, which
 ``protocol.msgpack_kwargs.encode_kwargs_item`` reproduces byte for byte (same key order), so an
 item has the same grpc-mm identity whichever side encoded it.
+
+Every scheme is one ``IdentityScheme`` entry in ``SCHEMES``: callers look up its properties
+(``identity_scheme(name)``, ``scheme_from_pb(value)``) instead of comparing names.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import struct
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ._backend import kernels
 from .errors import InvalidArgument
 from .tensors import DTYPE_ITEMSIZE, as_byte_array, dtype_name
+from .v1 import features_pb2 as fpb
 
-SCHEMES = ("xxh3-128", "blake3", "grpc-mm")
-DEFAULT_SCHEME = "xxh3-128"
-TENSOR_SCHEMES = ("xxh3-128", "blake3")  # the schemes computed from tensors (two-level)
-DIGEST_NBYTES = {"xxh3-128": 16, "blake3": 32}
+DEFAULT_SCHEME = "xxh3-128"  # also what a batch's IDENTITY_SCHEME_UNSPECIFIED means
 
 _DOMAIN = b"shmtransport.identity.v1\0"
 _GRPC_MM_DOMAIN = b"vllm.grpc.preprocessed-mm.v1"
 
 __all__ = [
-    "SCHEMES", "DEFAULT_SCHEME", "DTYPE_ITEMSIZE", "dtype_name", "tensor_digest", "combine",
-    "item_identity", "grpc_mm_identity", "cache_identifier", "validate_uuid",
+    "IdentityScheme", "SCHEMES", "identity_scheme", "scheme_from_pb", "DEFAULT_SCHEME", "DTYPE_ITEMSIZE",
+    "dtype_name", "tensor_digest", "combine", "item_identity", "grpc_mm_identity", "cache_identifier", "validate_uuid",
 ]
 
 
@@ -59,11 +61,58 @@ def _framed(s: str) -> bytes:
     return _u64(len(raw)) + raw
 
 
-def _check_scheme(scheme: Any, allowed: Sequence[str] = TENSOR_SCHEMES) -> str:
-    if scheme not in allowed:
-        if scheme == "grpc-mm":
-            raise InvalidArgument("scheme 'grpc-mm' is computed over the msgpack payload: use grpc_mm_identity")
-        raise InvalidArgument(f"scheme must be one of {', '.join(allowed)}, got {scheme!r}")
+@dataclasses.dataclass(frozen=True)
+class IdentityScheme:
+    """One identity scheme: everything the frontend, validation and the worker decide by it.
+
+    A two-level scheme (``tensor_hash`` and ``stream_hash``) is computed from the tensors:
+    ``tensor_hash(buf, threads)`` gives each tensor's ``digest_nbytes`` digest and ``combine`` hashes
+    the framed entries with ``stream_hash``. A scheme with ``msgpack_identity(modality, raw)`` is
+    computed over the item's exact kwargs MessagePack bytes instead, so items must carry them."""
+
+    name: str
+    pb: int  # features.proto IdentityScheme value naming the scheme on the wire
+    tensor_hash: Callable[[Any, int | None], bytes] | None = None
+    stream_hash: Callable[[bytes], bytes] | None = None
+    digest_nbytes: int = 0
+    msgpack_identity: Callable[[str, Any], str] | None = None
+    # the producer's digest fused into the copy into shared memory (put/commit with digest=True, a
+    # tree XXH3-128) is this scheme's tensor digest: the frontend then hashes nothing itself
+    uses_fused_digest: bool = False
+
+    @property
+    def over_msgpack(self) -> bool:
+        """True when the identity covers the kwargs MessagePack bytes, not the tensors."""
+        return self.msgpack_identity is not None
+
+
+def identity_scheme(name: Any) -> IdentityScheme:
+    """The registered scheme called ``name``; InvalidArgument naming the known ones otherwise."""
+    scheme = SCHEMES.get(name) if isinstance(name, str) else None
+    if scheme is None:
+        raise InvalidArgument(f"unknown identity scheme {name!r}: expected one of {', '.join(SCHEMES)}")
+    return scheme
+
+
+def scheme_from_pb(value: int) -> IdentityScheme:
+    """The scheme a batch's ``identity_scheme`` enum value names (UNSPECIFIED: ``DEFAULT_SCHEME``)."""
+    if value == fpb.IDENTITY_SCHEME_UNSPECIFIED:
+        return SCHEMES[DEFAULT_SCHEME]
+    for scheme in SCHEMES.values():
+        if scheme.pb == value:
+            return scheme
+    raise InvalidArgument(f"unknown identity scheme {value}")
+
+
+def _check_scheme(name: Any) -> IdentityScheme:
+    """The two-level scheme called ``name`` (what ``tensor_digest`` and ``combine`` compute)."""
+    scheme = SCHEMES.get(name) if isinstance(name, str) else None
+    if scheme is None:
+        allowed = [n for n, s in SCHEMES.items() if not s.over_msgpack]
+        raise InvalidArgument(f"scheme must be one of {', '.join(allowed)}, got {name!r}")
+    if scheme.over_msgpack:
+        raise InvalidArgument(f"scheme {name!r} is computed over the msgpack payload: use "
+                              f"{scheme.msgpack_identity.__name__}")
     return scheme
 
 
@@ -111,13 +160,22 @@ def _check_shape(key: str, shape: Any) -> tuple[int, ...]:
 # Two-level identity
 # ---------------------------------------------------------------------------------------------
 def tensor_digest(scheme: str, buf: Any, threads: int | None = None) -> bytes:
-    """Per-tensor digest: tree-mode XXH3-128 (16 bytes) or BLAKE3 (32 bytes) of the raw bytes."""
-    _check_scheme(scheme)
-    if scheme == "xxh3-128":
-        try:
-            return kernels.tree_digest(buf, threads)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(str(exc)) from exc
+    """Per-tensor digest of the raw bytes: tree-mode XXH3-128 (16 bytes), BLAKE3 (32 bytes), ..."""
+    return _check_scheme(scheme).tensor_hash(buf, threads)
+
+
+def _xxh3_tree(buf: Any, threads: int | None) -> bytes:
+    try:
+        return kernels.tree_digest(buf, threads)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def _xxh3(stream: bytes) -> bytes:
+    return kernels.xxh3_128(stream)  # looked up per call: ``kernels`` is the selected backend
+
+
+def _blake3_tensor(buf: Any, threads: int | None) -> bytes:
     import blake3
 
     try:
@@ -134,9 +192,15 @@ def tensor_digest(scheme: str, buf: Any, threads: int | None = None) -> bytes:
     return blake3.blake3(view.cast("B"), max_threads=max_threads).digest()
 
 
+def _blake3(stream: bytes) -> bytes:
+    import blake3
+
+    return blake3.blake3(stream).digest()
+
+
 def combine(scheme: str, modality: str, entries: Iterable[tuple[str, str, Sequence[int], int, bytes]]) -> str:
     """Item identity from per-tensor entries ``(key, dtype_name, shape, nbytes, digest)``."""
-    _check_scheme(scheme)
+    spec = _check_scheme(scheme)
     _check_modality(modality)
     checked = []
     seen: set[str] = set()
@@ -158,19 +222,13 @@ def combine(scheme: str, modality: str, entries: Iterable[tuple[str, str, Sequen
             digest = bytes(digest)
         except TypeError:
             raise InvalidArgument(f"digest of {key!r} must be bytes") from None
-        if len(digest) != DIGEST_NBYTES[scheme]:
-            raise InvalidArgument(f"digest of {key!r} must be {DIGEST_NBYTES[scheme]} bytes for {scheme}")
+        if len(digest) != spec.digest_nbytes:
+            raise InvalidArgument(f"digest of {key!r} must be {spec.digest_nbytes} bytes for {scheme}")
         checked.append((key, dtype, dims, nbytes, digest))
     parts = [_DOMAIN, _framed(scheme), _framed(modality), _u64(len(checked))]
     for key, dtype, dims, nbytes, digest in sorted(checked, key=lambda r: r[0]):
         parts += [_framed(key), _framed(dtype), _u64(len(dims)), *(_u64(d) for d in dims), _u64(nbytes), digest]
-    stream = b"".join(parts)
-    if scheme == "xxh3-128":
-        digest = kernels.xxh3_128(stream)
-    else:
-        import blake3
-
-        digest = blake3.blake3(stream).digest()
+    digest = spec.stream_hash(b"".join(parts))
     return f"{scheme}:{digest.hex()}"
 
 
@@ -209,6 +267,16 @@ def grpc_mm_identity(modality: str, kwargs_msgpack: bytes) -> str:
     h.update(struct.pack(">Q", raw.nbytes))
     h.update(raw)
     return "grpc-mm:" + h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: name -> scheme, in the order ServerInfo advertises them. A new scheme is one entry.
+# ---------------------------------------------------------------------------------------------
+SCHEMES: dict[str, IdentityScheme] = {s.name: s for s in (
+    IdentityScheme("xxh3-128", fpb.IDENTITY_SCHEME_XXH3_128, _xxh3_tree, _xxh3, 16, uses_fused_digest=True),
+    IdentityScheme("blake3", fpb.IDENTITY_SCHEME_BLAKE3, _blake3_tensor, _blake3, 32),
+    IdentityScheme("grpc-mm", fpb.IDENTITY_SCHEME_GRPC_MM, msgpack_identity=grpc_mm_identity),
+)}
 
 
 def cache_identifier(mm_hash: str, adapter: str | None = None) -> str:

@@ -21,8 +21,8 @@ from typing import Iterable
 from ..client import Consumer
 from ..embedmask import EmbedMask
 from ..errors import InvalidArgument
-from ..identity import grpc_mm_identity
-from ..protocol.items import SCHEME_TO_PB, modality_from_pb, modality_to_pb
+from ..identity import SCHEMES, grpc_mm_identity
+from ..protocol.items import modality_from_pb, modality_to_pb
 from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..protocol.sampling import project_sampling, prompt_token_ids
 from ..protocol.validate import limit_exceeded
@@ -203,7 +203,7 @@ def from_vllm_grpc(vreq: vpb.GenerateRequest) -> gpb.GenerateRequest:
         batch = batches.get(modality)
         if batch is None:
             batch = batches[modality] = out.multimodal.batches.add(
-                modality=modality_to_pb(modality), identity_scheme=SCHEME_TO_PB["grpc-mm"],
+                modality=modality_to_pb(modality), identity_scheme=SCHEMES["grpc-mm"].pb,
                 adapter=vreq.lora_name)
         ph = fpb.PlaceholderRange(offset=f.offset, length=f.length)
         if f.is_embed:

@@ -186,15 +186,14 @@ class Registry:
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, session_id: str, pid: int, uid: int, quarantine_expired: bool = True,
-                     holder_bit: bool = True) -> dict:
-        """Register a session; the hello fields it adds (its object-table holder bit, if any:
-        ``holder_bit=False`` for sessions that reach the table through the daemon only)."""
+                     holder_bit: bool = True) -> int | None:
+        """Register a session; its object-table holder bit, if it gets one (``holder_bit=False``:
+        not, for sessions that reach the table through the daemon only)."""
         with self._lock:
             session = Session(session_id, pid, uid, quarantine_expired)
             self._sessions[session_id] = session
             self.counters["sessions_total"] += 1
-            bit = self.objects.open_session(session_id) if self.objects is not None and holder_bit else None
-            return {} if bit is None else {"holder_bit": bit}
+            return self.objects.open_session(session_id) if self.objects is not None and holder_bit else None
 
     @property
     def live_sessions(self) -> int:
@@ -383,9 +382,10 @@ class Registry:
         if self.limits.quota_nbytes is None:
             raise ResourceExhausted(
                 f"{held}: more than the {self.quota_nbytes} bytes of its arena, which bound a tenant's bytes when "
-                "no quota is set (shmtransport daemon --arena-size, or --quota-bytes)", Reason.QUOTA_EXCEEDED)
+                "no quota is set (shmtransport daemon --arena-size, or --quota-bytes)", Reason.QUOTA_EXCEEDED,
+                field="nbytes", limit=self.quota_nbytes)
         raise ResourceExhausted(f"tenant quota exceeded: {held}, quota {self.quota_nbytes} (--quota-bytes)",
-                                Reason.QUOTA_EXCEEDED)
+                                Reason.QUOTA_EXCEEDED, field="nbytes", limit=self.quota_nbytes)
 
     def _sizes(self, sizes: Sequence[int]) -> list[int]:
         """Loan sizes, their count checked before anything is expanded."""
@@ -466,7 +466,7 @@ class Registry:
                 raise ResourceExhausted(
                     f"tenant lease quota exceeded: the tenant holds {held} leases, asks "
                     f"{len(handles)} more, quota {self.limits.quota_leases}",
-                    Reason.QUOTA_EXCEEDED,
+                    Reason.QUOTA_EXCEEDED, field="handles", limit=self.limits.quota_leases,
                 )
             lease_ids = [0] * len(handles)
             try:
@@ -777,7 +777,8 @@ class Registry:
     def _live_session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
-            raise PermissionDenied("unknown or closed session: connect through the daemon's handshake")
+            raise PermissionDenied("unknown or closed session: connect through the daemon's handshake",
+                                   Reason.UNKNOWN_SESSION)
         return session
 
     def _key(self, h: pb.Handle) -> int | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import grp
 import logging
 import os
@@ -23,15 +22,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .. import objtable, shm_names
 from ..allocator import Allocator
+from ..error_boundary import ErrorBoundary
 from ..errors import (
     DeadlineExceeded,
     InvalidArgument,
     PermissionDenied,
     Reason,
     ResourceExhausted,
-    ShmTransportError,
     StateError,
-    status_for,
 )
 from ..v1 import daemon_pb2 as pb
 from ..v1 import daemon_pb2_grpc as pb_grpc
@@ -78,23 +76,6 @@ class Tenant:
         return f"Tenant({self.key}, {self.segment.name})"
 
 
-def _typed_errors(method: Callable) -> Callable:
-    """Turn our exceptions into their status; anything else is INTERNAL (logged), never a crash."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except ShmTransportError as exc:
-            code, details = status_for(exc)
-            context.abort(code, details)
-        except Exception:  # a bug of ours: report it to this caller and keep serving the others
-            _log.exception("internal error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, "internal: unexpected daemon error (see daemon log)")
-
-    return wrapper
-
-
 # A reply needs this long to reach a caller on the node. The daemon's clock for a deadline starts
 # when the call arrives, a little after the caller's, so "still active" can be true for a caller
 # that has already given up.
@@ -116,6 +97,11 @@ def _caller_gone(context, remaining_at_start: float | None) -> bool:
     return remaining is not None and remaining < min(_DELIVERY_MARGIN_S, (remaining_at_start or 0.0) / 2)
 
 
+def _unknown_session() -> PermissionDenied:
+    return PermissionDenied("missing or unknown session token: connect through the session handshake",
+                            Reason.UNKNOWN_SESSION)
+
+
 class _SessionGate(grpc.ServerInterceptor):
     """Refuses Daemon calls without a live session token before their body is even parsed, so an
     unauthenticated peer costs no more than the bytes gRPC already bounds (MAX_REQUEST_NBYTES)."""
@@ -126,8 +112,7 @@ class _SessionGate(grpc.ServerInterceptor):
 
     @staticmethod
     def _refuse(_raw_request, context):
-        context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                      "permission_denied: missing or unknown session token: connect through the session handshake")
+        raise _unknown_session()  # answered by the ErrorBoundary outside this gate
 
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(_DAEMON_METHOD_PREFIX):
@@ -173,9 +158,8 @@ class _Servicer(pb_grpc.DaemonServicer):
                 if found is not None:
                     return found
                 break
-        raise PermissionDenied("missing or unknown session token: connect through the session handshake")
+        raise _unknown_session()
 
-    @_typed_errors
     def Info(self, request, context):
         _, tenant = self._session(context)
         return self._daemon.arena_info_of(tenant)
@@ -186,7 +170,6 @@ class _Servicer(pb_grpc.DaemonServicer):
             r = request.release
             tenant.registry.release(session_id, r.handles, r.lease_ids, piggybacked=True)
 
-    @_typed_errors
     def Loan(self, request, context):
         remaining_at_start = context.time_remaining()
         session_id, tenant = self._session(context)
@@ -205,7 +188,6 @@ class _Servicer(pb_grpc.DaemonServicer):
             raise DeadlineExceeded("the caller's deadline passed while the daemon placed this loan: undone")
         return response
 
-    @_typed_errors
     def Grant(self, request, context):
         remaining_at_start = context.time_remaining()
         session_id, tenant = self._session(context)
@@ -218,7 +200,6 @@ class _Servicer(pb_grpc.DaemonServicer):
             raise DeadlineExceeded("the caller's deadline passed while the daemon made this grant: undone")
         return response
 
-    @_typed_errors
     def Commit(self, request, context):
         session_id, tenant = self._session(context)
         _check_release_counts(request)
@@ -226,7 +207,6 @@ class _Servicer(pb_grpc.DaemonServicer):
         tenant.registry.commit(session_id, request.handles, request.hold_ms)
         return pb.CommitResponse()
 
-    @_typed_errors
     def Acquire(self, request, context):
         session_id, tenant = self._session(context)
         _check_release_counts(request)
@@ -239,23 +219,19 @@ class _Servicer(pb_grpc.DaemonServicer):
         )
         return pb.AcquireResponse(lease_ids=lease_ids)
 
-    @_typed_errors
     def Release(self, request, context):
         session_id, tenant = self._session(context)
         tenant.registry.release(session_id, request.handles, request.lease_ids, piggybacked=request.skip_gone)
         return pb.ReleaseResponse()
 
-    @_typed_errors
     def Stat(self, request, context):
         _, tenant = self._session(context)
         return self._daemon.stat(tenant)
 
-    @_typed_errors
     def List(self, request, context):
         _, tenant = self._session(context)
         return tenant.registry.list_objects(request.limit)
 
-    @_typed_errors
     def Close(self, request, context):
         session_id, tenant = self._session(context)
         tenant.registry.close_session(session_id, closed_by_client=True)  # the socket's EOF then finds none
@@ -384,19 +360,14 @@ class Daemon:
                 "(max_sessions_per_tenant); close idle clients", Reason.QUOTA_EXCEEDED,
             )
         info = self.arena_info_of(tenant)
-        hello = {
-            "instance_id": self.instance_id,
-            "segment_name": info.segment_name,
-            "arena_nbytes": info.nbytes,
-            "shm_namespace": info.shm_namespace,
-            "tenant": tenant.key,
-        }
+        hello = pb.SessionHello(instance_id=self.instance_id, segment_name=info.segment_name,
+                                arena_nbytes=info.nbytes, shm_namespace=info.shm_namespace, tenant=tenant.key)
         fds = [tenant.segment.open_fd(writable)]
         if tenant.objects is not None:
             # Consumers write the table too (their holder bits); the arena stays read-only to them.
-            hello["object_table"] = {"segment_name": tenant.objects.segment.name, "nslots": tenant.objects.nslots,
-                                     "handoff_window_ms": tenant.objects.handoff_window_ms,
-                                     "max_hold_ms": self.config.max_hold_ms}
+            hello.object_table.CopyFrom(pb.ObjectTableInfo(
+                segment_name=tenant.objects.segment.name, nslots=tenant.objects.nslots,
+                handoff_window_ms=tenant.objects.handoff_window_ms, max_hold_ms=self.config.max_hold_ms))
             fds.append(tenant.objects.segment.open_fd(True))
         return Admission(tenant, hello, tuple(fds))
 
@@ -430,7 +401,7 @@ class Daemon:
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="shmt-rpc"),
             options=_SERVER_OPTIONS,
-            interceptors=[_SessionGate(self)],
+            interceptors=[ErrorBoundary(), _SessionGate(self)],  # the boundary outermost: it answers the gate too
         )
         pb_grpc.add_DaemonServicer_to_server(_Servicer(self), self._server)
         health_servicer = health.HealthServicer()

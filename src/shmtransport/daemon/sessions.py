@@ -1,12 +1,13 @@
 """Client sessions: a credential handshake and a liveness signal on one plain Unix socket.
 
-A client connects to ``<socket>.session`` and writes one JSON line (``{"access": "rw"}`` or
-``"ro"``). The daemon reads the peer's credentials with SO_PEERCRED (which gRPC does not expose),
-refuses uids outside the allowlist at once, finds the peer's tenant, and answers one JSON line with a
-fresh session — a public ``session_id`` (it appears in handles as the owner) and a secret ``token``
-that every gRPC call must carry as metadata — plus, passed with SCM_RIGHTS, an fd of the tenant's
-arena (read-only for ``"ro"``). Clients never open the arena by name, so nobody can plant or swap it,
-and its file stays 0600: only processes the daemon handed the fd to can map it.
+A client connects to ``<socket>.session`` and writes one framed ``SessionRequest`` (read-write or
+read-only; ``daemon.proto`` and ``wire.framed``). The daemon reads the peer's credentials with
+SO_PEERCRED (which gRPC does not expose), refuses uids outside the allowlist at once, finds the
+peer's tenant, and answers one framed ``SessionReply``: a ``SessionRefusal`` with its reason, or a
+``SessionHello`` with a fresh session — a public ``session_id`` (it appears in handles as the owner)
+and a secret ``token`` that every gRPC call must carry as metadata — plus, passed with SCM_RIGHTS, an
+fd of the tenant's arena (read-only for a read-only session). Clients never open the arena by
+name, so nobody can plant or swap it, and its file stays 0600: only processes the daemon handed the fd to can map it.
 
 The client keeps the connection open and never writes again; when its process dies the kernel
 closes the socket and the daemon reclaims everything the session held, at once and whatever the
@@ -19,7 +20,6 @@ daemon's fds.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -30,7 +30,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import ShmTransportError
+from google.protobuf.message import DecodeError
+
+from ..errors import Reason, ShmTransportError
+from ..v1 import daemon_pb2 as pb
+from ..wire import frame_payload, framed
 
 _log = logging.getLogger("shmtransport.daemon")
 
@@ -41,6 +45,8 @@ _ACCEPT_BACKOFF_S = 0.05
 HANDSHAKE_TIMEOUT_S = 2.0
 MAX_HANDSHAKE_NBYTES = 1024
 MAX_PENDING_PER_UID = 64
+_READ_WRITE = pb.SESSION_ACCESS_READ_WRITE
+_ACCESS = (pb.SESSION_ACCESS_READ_WRITE, pb.SESSION_ACCESS_READ_ONLY)
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -59,11 +65,11 @@ def peer_groups(conn: socket.socket, gid: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    """What ``admit`` grants a peer: its tenant, the hello fields, and the fds to pass (the arena's,
-    then the object table's when the tenant has one)."""
+    """What ``admit`` grants a peer: its tenant, the hello's tenant-wide fields, and the fds to pass
+    (the arena's, then the object table's when the tenant has one)."""
 
     tenant: Any
-    hello: dict
+    hello: pb.SessionHello
     fds: tuple[int, ...]  # passed to the client and closed here afterwards
 
 
@@ -91,7 +97,7 @@ class SessionServer:
         path: str,
         allowed: Callable[[int, tuple[int, ...]], bool],
         admit: Callable[[int, int, tuple[int, ...], bool], Admission],
-        on_open: Callable[[str, int, int, Any], dict],
+        on_open: Callable[[str, int, int, Any], int | None],
         on_close: Callable[[str, Any], None],
         socket_mode: int,
     ):
@@ -185,12 +191,12 @@ class SessionServer:
             return
         if not self._allowed(uid, groups):
             _log.warning("refused session from pid %d uid %d (not in the allowlist)", pid, uid)
-            self._refuse(conn, "permission_denied", f"uid {uid} is not allowed")
+            self._refuse(conn, Reason.PERMISSION_DENIED, f"uid {uid} is not allowed")
             return
         if self._pending_per_uid.get(uid, 0) >= MAX_PENDING_PER_UID:
             _log.warning("refused session from pid %d uid %d: %d handshakes of this uid pending",
                          pid, uid, MAX_PENDING_PER_UID)
-            self._refuse(conn, "resource_exhausted", f"too many handshakes of uid {uid} in progress")
+            self._refuse(conn, Reason.QUOTA_EXCEEDED, f"too many handshakes of uid {uid} in progress")
             return
         conn.setblocking(False)
         pending = _Pending(pid, uid, groups, time.monotonic() + HANDSHAKE_TIMEOUT_S)
@@ -209,26 +215,27 @@ class SessionServer:
         if not chunk or len(pending.data) > MAX_HANDSHAKE_NBYTES:
             self._drop_pending(conn)
             return
-        if b"\n" not in pending.data:
+        try:
+            payload = frame_payload(pending.data, MAX_HANDSHAKE_NBYTES)
+            if payload is None:
+                return
+            request = pb.SessionRequest.FromString(payload)
+            if request.access not in _ACCESS:
+                raise ValueError(f"access must be read-write or read-only, got {request.access}")
+        except (ValueError, DecodeError) as exc:  # DecodeError is a ValueError's sibling, not a subclass
+            self._forget_pending(conn, pending)
+            self._refuse(conn, Reason.INVALID_ARGUMENT, f"bad handshake: {exc}")
             return
         self._forget_pending(conn, pending)
         try:
-            request = json.loads(pending.data.split(b"\n", 1)[0])
-            access = request.get("access") if isinstance(request, dict) else None
-            if access not in ("rw", "ro"):
-                raise ValueError(f"access must be 'rw' or 'ro', got {access!r}")
-        except ValueError as exc:
-            self._refuse(conn, "invalid_argument", f"bad handshake: {exc}")
-            return
-        try:
-            admission = self._admit(pending.pid, pending.uid, pending.groups, access == "rw")
+            admission = self._admit(pending.pid, pending.uid, pending.groups, request.access == _READ_WRITE)
         except ShmTransportError as exc:
             _log.warning("refused session from pid %d uid %d: %s", pending.pid, pending.uid, exc)
-            self._refuse(conn, exc.reason.value, exc.message)
+            self._refuse(conn, exc.reason, exc.message)
             return
         except OSError as exc:  # e.g. EMFILE opening the arena fd: refuse this one, keep serving
             _log.warning("refused session from pid %d uid %d: %s", pending.pid, pending.uid, exc)
-            self._refuse(conn, "resource_exhausted", f"the daemon cannot open a session now: {exc}")
+            self._refuse(conn, Reason.FD_LIMIT, f"the daemon cannot open a session now: {exc}")
             return
         self._open(conn, pending, admission)
 
@@ -244,10 +251,14 @@ class SessionServer:
             raise
         with self._tokens_lock:
             self._tokens[opened.token] = opened
-        hello = dict(admission.hello, **extra, session_id=opened.session_id, token=opened.token, pid=pending.pid)
+        hello = pb.SessionHello(session_id=opened.session_id, token=opened.token, pid=pending.pid)
+        hello.MergeFrom(admission.hello)
+        if extra is not None:
+            hello.holder_bit = extra
+        reply = framed(pb.SessionReply(hello=hello).SerializeToString())
         try:
             # A fresh socket's send buffer holds far more than a hello: this never blocks.
-            socket.send_fds(conn, [json.dumps(hello).encode() + b"\n"], list(admission.fds))
+            socket.send_fds(conn, [reply], list(admission.fds))
         except OSError as exc:
             _log.info("session handshake with pid %d failed: %s", pending.pid, exc)
             self._drop(conn, opened, registered=False)
@@ -257,10 +268,11 @@ class SessionServer:
                 os.close(fd)
         self._selector.register(conn, selectors.EVENT_READ, opened)
 
-    def _refuse(self, conn: socket.socket, error: str, message: str) -> None:
+    def _refuse(self, conn: socket.socket, reason: Reason, message: str) -> None:
+        reply = pb.SessionReply(refusal=pb.SessionRefusal(reason=reason.value, message=message))
         try:
             conn.setblocking(False)
-            conn.send(json.dumps({"error": error, "message": message}).encode() + b"\n")
+            conn.send(framed(reply.SerializeToString()))
         except OSError:
             pass
         conn.close()

@@ -34,7 +34,8 @@ from typing import Any
 import grpc
 
 from ..client import Consumer
-from ..errors import InvalidArgument, Reason, ShmTransportError, status_for
+from ..error_boundary import AioErrorBoundary
+from ..errors import InvalidArgument, ShmTransportError
 from ..protocol import sampling as sampling_mod
 from ..protocol.capabilities import server_info
 from ..protocol.limits import DEFAULT_LIMITS, Limits
@@ -43,7 +44,6 @@ from ..v1 import generate_pb2_grpc as gpb_grpc
 from ..worker.request import open_request
 from . import environment
 
-_log = logging.getLogger("shmtransport.vllm_worker")
 _FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
 
 
@@ -154,16 +154,10 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
                     elif isinstance(stop, str):
                         chunk.matched_stop.stop_str = stop
                 yield chunk
-        except ShmTransportError as exc:
-            await context.abort(*status_for(exc))
-        except (ValueError, TypeError) as exc:  # vLLM's own validation of the request
-            await context.abort(*status_for(InvalidArgument(f"engine rejected the request: {exc}")))
-        except asyncio.CancelledError:
+        except ShmTransportError:  # some are ValueErrors: not the engine's
             raise
-        except Exception as exc:  # noqa: BLE001 - the boundary: log, answer INTERNAL
-            _log.exception("request failed")
-            await context.abort(*status_for(ShmTransportError(f"worker error: {type(exc).__name__}: {exc}",
-                                                              Reason.INTERNAL)))
+        except (ValueError, TypeError) as exc:  # vLLM's own validation of the request
+            raise InvalidArgument(f"engine rejected the request: {exc}") from exc
 
     async def Generate(self, request, context):
         from ..protocol.folding import fold
@@ -195,7 +189,7 @@ async def serve(args) -> None:
     engine = AsyncLLM.from_vllm_config(vllm_config=config, usage_context=UsageContext.OPENAI_API_SERVER,
                                        disable_log_stats=True)
     consumer = Consumer(args.daemon_socket)
-    server = grpc.aio.server(options=grpc_options(64 << 20))
+    server = grpc.aio.server(options=grpc_options(64 << 20), interceptors=[AioErrorBoundary()])
     gpb_grpc.add_GeneratorServicer_to_server(VllmGeneratorService(engine, consumer, verify=args.verify), server)
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 

@@ -27,7 +27,15 @@ import grpc
 import numpy as np
 
 from ..client import Handle, Loan, Producer
-from ..errors import DeadlineExceeded, InvalidArgument, Reason, ShmTransportError, Unavailable, error_from_rpc
+from ..errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ShmTransportError,
+    Unavailable,
+    carried_reason,
+    error_from_rpc,
+)
+from ..identity import DEFAULT_SCHEME, identity_scheme
 from ..protocol.folding import fold
 from ..protocol.items import FeatureItem
 from ..protocol.limits import DEFAULT_LIMITS, Limits
@@ -125,7 +133,7 @@ def _set_controls(msg, values: dict[str, Any] | None) -> None:
 
 class Frontend:
     def __init__(self, address: str, producer: Producer | None = None, *, timeout_s: float = 60.0,
-                 limits: Limits = DEFAULT_LIMITS, scheme: str = "xxh3-128", inline: InlinePolicy = DEFAULT_INLINE):
+                 limits: Limits = DEFAULT_LIMITS, scheme: str = DEFAULT_SCHEME, inline: InlinePolicy = DEFAULT_INLINE):
         self.address = address
         self.producer = producer
         self.timeout_s = timeout_s
@@ -197,7 +205,7 @@ class Frontend:
         try:
             if mode != "shm" or self.producer is None:
                 raise InvalidArgument("loaned tensors go through mode='shm' with a Producer")
-            handles = iter(self.producer.commit_many(loans, digest=self.scheme == "xxh3-128"))
+            handles = iter(self.producer.commit_many(loans, digest=identity_scheme(self.scheme).uses_fused_digest))
         except BaseException:
             for loan in loans:
                 loan.release()
@@ -275,13 +283,11 @@ class Frontend:
 
     def _typed(self, err: grpc.RpcError) -> ShmTransportError:
         exc = error_from_rpc(err)
-        details = err.details() or ""
-        ours = details.partition(": ")[0] in {r.value for r in Reason}
         if isinstance(exc, DeadlineExceeded):
             return DeadlineExceeded(f"worker at {self.address} did not finish within {self.timeout_s} s")
-        if isinstance(exc, Unavailable) and not ours:
+        if isinstance(exc, Unavailable) and carried_reason(err) is None:  # the transport's, not the worker's
             return WorkerUnavailable(f"worker at {self.address} is gone or unreachable "
-                                     f"({err.code().name}: {details})")
+                                     f"({err.code().name}: {err.details() or ''})")
         return exc
 
 

@@ -24,10 +24,10 @@ import numpy as np
 from .. import objtable
 from ..client import Handle, Producer
 from ..errors import IdentityMismatch, InvalidArgument
-from ..identity import cache_identifier, combine, grpc_mm_identity, tensor_digest
+from ..identity import DEFAULT_SCHEME, cache_identifier, combine, identity_scheme, tensor_digest
 from ..protocol import routing
 from ..protocol.envelope import decode_envelope
-from ..protocol.items import SCHEME_TO_PB, FeatureItem, modality_to_pb
+from ..protocol.items import FeatureItem, modality_to_pb
 from ..protocol.limits import DEFAULT_LIMITS, U32_MAX, Limits
 from ..protocol.msgpack_kwargs import encode_kwargs_item
 from ..protocol.validate import check_modality_name, check_placeholders, check_uuid, limit_exceeded
@@ -127,7 +127,7 @@ def _source(key: str, value: Any):
     return value, flat, dtype, shape
 
 
-def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, scheme: str = "xxh3-128",
+def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, scheme: str = DEFAULT_SCHEME,
                   adapter: str | None = None, prompt_len: int | None = None, mode: str = "shm",
                   with_markers: bool = False, limits: Limits = DEFAULT_LIMITS,
                   inline: InlinePolicy = DEFAULT_INLINE) -> BuiltRequest:
@@ -139,10 +139,9 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
     (from an envelope) is verified against the recomputed identity (IdentityMismatch)."""
     if mode not in MODES:
         raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
-    if scheme not in SCHEME_TO_PB:
-        raise InvalidArgument(f"unknown identity scheme {scheme!r}")
-    if scheme == "grpc-mm" and mode != "msgpack":
-        raise InvalidArgument("the grpc-mm identity is defined over kwargs MessagePack: use mode='msgpack'")
+    spec = identity_scheme(scheme)
+    if spec.over_msgpack and mode != "msgpack":
+        raise InvalidArgument(f"the {scheme} identity is defined over kwargs MessagePack: use mode='msgpack'")
     if mode == "shm" and producer is None:
         raise InvalidArgument("mode='shm' needs a Producer")
     if adapter:
@@ -183,9 +182,9 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
             inline_nbytes -= src[1].nbytes
         if limits.max_shm_bytes is not None and total - inline_nbytes > limits.max_shm_bytes:
             raise limit_exceeded("max_shm_bytes", total - inline_nbytes, limits.max_shm_bytes)
-    put = producer.put_many(to_put, digest=scheme == "xxh3-128") if to_put else []
+    put = producer.put_many(to_put, digest=spec.uses_fused_digest) if to_put else []
     try:
-        request = _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode, with_markers, limits)
+        request = _assemble(items, sources, shm_index, put, spec, adapter, prompt_len, mode, with_markers, limits)
     except BaseException:
         if put:
             producer.release(put)
@@ -214,14 +213,15 @@ def _to_shared_memory(sources, total: int, inline: InlinePolicy, limits: Limits)
     return ranked[below:]
 
 
-def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode, with_markers, limits):
+def _assemble(items, sources, shm_index, put, spec, adapter, prompt_len, mode, with_markers, limits):
+    scheme = spec.name
     tensors: dict[int, dict[str, fpb.TensorData]] = {}
     entries: dict[int, list] = {}
     for i, key, src in sources:
         if isinstance(src, Handle):
-            if scheme == "xxh3-128" and not src.digest:
+            if spec.uses_fused_digest and not src.digest:
                 raise InvalidArgument(f"{key}: handle carries no digest: commit the loan with digest=True")
-            if scheme != "xxh3-128":
+            if not spec.uses_fused_digest:
                 raise InvalidArgument(f"{key}: referenced handles carry XXH3-128 digests; scheme {scheme!r} "
                                       f"needs the tensor")
             td = fpb.TensorData(shape=src.shape, dtype=src.dtype, shm=src.shm, digest=src.digest,
@@ -233,7 +233,7 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
             nbytes = flat.nbytes
             if (i, key) in shm_index:
                 h = put[shm_index[(i, key)]]
-                digest = h.digest if scheme == "xxh3-128" else tensor_digest(scheme, flat)
+                digest = h.digest if spec.uses_fused_digest else tensor_digest(scheme, flat)
                 td = fpb.TensorData(shape=shape, dtype=dtype, shm=h.shm, digest=digest, commit_token=h.commit_token)
             else:
                 digest = tensor_digest(scheme, flat)
@@ -248,7 +248,7 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
         batch = batches.get(it.modality)
         if batch is None:
             batch = batches[it.modality] = request.batches.add(
-                modality=modality_to_pb(it.modality), identity_scheme=SCHEME_TO_PB[scheme], adapter=adapter or "")
+                modality=modality_to_pb(it.modality), identity_scheme=spec.pb, adapter=adapter or "")
         msg = batch.items.add(placeholder=placeholder_to_proto(it.placeholder))
         if mode == "msgpack":
             raw = it.kwargs_msgpack if it.kwargs_msgpack is not None else encode_kwargs_item(it.kwargs, it.fields)
@@ -256,8 +256,8 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
             if inline_bytes > limits.max_inline_bytes:
                 raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes)
             msg.kwargs_msgpack = raw
-            if scheme == "grpc-mm":
-                identity = grpc_mm_identity(it.modality, raw)
+            if spec.over_msgpack:
+                identity = spec.msgpack_identity(it.modality, raw)
             else:
                 from ..protocol.msgpack_kwargs import decode_kwargs_item
 
@@ -295,7 +295,7 @@ def _assemble(items, sources, shm_index, put, scheme, adapter, prompt_len, mode,
 
 def request_from_envelope(producer: Producer | None, features: Any, *, prompt_len: int | None = None,
                           routing_markers: Sequence[str] | None = None, has_raw_media: bool = False,
-                          scheme: str = "xxh3-128", adapter: str | None = None, mode: str = "shm",
+                          scheme: str = DEFAULT_SCHEME, adapter: str | None = None, mode: str = "shm",
                           limits: Limits = DEFAULT_LIMITS, inline: InlinePolicy = DEFAULT_INLINE) -> BuiltRequest:
     """Decode + validate a ``vllm_tito.features`` envelope, then build the typed request (tensors
     copied once into shared memory with the identity fused)."""

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from ..embedmask import EmbedMask, PlaceholderRange
 from ..errors import InvalidArgument
-from ..identity import TENSOR_SCHEMES
+from ..identity import SCHEMES
 from .items import FeatureItem
 from .limits import DEFAULT_LIMITS, Limits
 from .msgpack_kwargs import decode_kwargs_item
@@ -150,7 +150,8 @@ def decode_envelope(features: Any, *, prompt_len: int | None = None, routing_mar
             raise limit_exceeded("max_inline_bytes", limits.max_inline_bytes - remaining, limits.max_inline_bytes)
         decoded = decode_kwargs_item(raw, limits)
         decoded.require_tensors(where)  # FeatureItem kwargs are tensors; identities cover them only
-        ours = h.split(":", 1)[0] in TENSOR_SCHEMES
+        named = SCHEMES.get(h.split(":", 1)[0])
+        ours = named is not None and not named.over_msgpack  # verifiable against the decoded tensors
         items.append(FeatureItem(modality, decoded.tensors, placeholder, decoded.fields,
                                  mm_hash=h if ours else None, kwargs_msgpack=raw))
     if markers is not None:

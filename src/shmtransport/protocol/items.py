@@ -14,10 +14,6 @@ _MODALITY_TO_PB = {"image": fpb.MODALITY_IMAGE, "video": fpb.MODALITY_VIDEO, "au
 _PB_TO_MODALITY = {v: k for k, v in _MODALITY_TO_PB.items()}
 _KIND_TO_PB = {"batched": fpb.FIELD_KIND_BATCHED, "flat": fpb.FIELD_KIND_FLAT, "shared": fpb.FIELD_KIND_SHARED}
 _PB_TO_KIND = {v: k for k, v in _KIND_TO_PB.items()}
-SCHEME_TO_PB = {"xxh3-128": fpb.IDENTITY_SCHEME_XXH3_128, "blake3": fpb.IDENTITY_SCHEME_BLAKE3,
-                "grpc-mm": fpb.IDENTITY_SCHEME_GRPC_MM}
-PB_TO_SCHEME = {v: k for k, v in SCHEME_TO_PB.items()}
-PB_TO_SCHEME[fpb.IDENTITY_SCHEME_UNSPECIFIED] = "xxh3-128"
 
 
 def modality_to_pb(name: str) -> int:

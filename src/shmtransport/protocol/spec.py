@@ -19,9 +19,8 @@ TEXT_IDS = range(3, 1000)
 KNOWN_ADAPTERS = ("sql-lora", "chat-lora")
 
 TIMING_KEY = "x-shmt-timing"
-INGEST_KEY = "x-shmt-ingest"
+INGEST_KEY = "x-shmt-ingest"  # which of the worker's ingests opens the request (worker/server.py)
 DEBUG_HOLD_KEY = "x-shmt-debug-hold-ms"  # honoured only with debug_hooks: hold the leases (crash tests)
-SEGMENT_PREFIX = "stbench_seg_"
 
 
 def grpc_options(max_message: int) -> list[tuple[str, int]]:

@@ -15,11 +15,11 @@ from typing import Any, Iterable, Sequence
 from ..embedmask import EmbedMask, PlaceholderRange
 from ..errors import InvalidArgument, Reason, ResourceExhausted
 from ..handle import Handle
-from ..identity import cache_identifier, validate_uuid
+from ..identity import cache_identifier, scheme_from_pb, validate_uuid
 from ..tensors import DTYPE_ITEMSIZE
 from ..v1 import features_pb2 as fpb
 from . import routing
-from .items import PB_TO_SCHEME, FieldConfig, modality_from_pb
+from .items import FieldConfig, modality_from_pb
 from .limits import DEFAULT_LIMITS, MODALITIES, U64_MAX, Limits
 from .msgpack_kwargs import DecodedKwargs, decode_kwargs_item
 
@@ -30,8 +30,9 @@ __all__ = [
 ]
 
 
-def limit_exceeded(name: str, value: int, limit: int) -> ResourceExhausted:
-    return ResourceExhausted(f"limit {name}={limit} exceeded: {value}", Reason.QUOTA_EXCEEDED)
+def limit_exceeded(name: str, value: int, limit: int, field: str | None = None) -> ResourceExhausted:
+    """The refusal of ``value`` over the limit ``name``; ``field``: the request field that carries it."""
+    return ResourceExhausted(f"limit {name}={limit} exceeded: {value}", Reason.QUOTA_EXCEEDED, field=field, limit=limit)
 
 
 def check_modality_name(name: Any, limits: Limits = DEFAULT_LIMITS) -> str:
@@ -232,21 +233,20 @@ def validate_request(req: fpb.MultimodalRequest, limits: Limits = DEFAULT_LIMITS
     n_items = n_inline_items = inline_bytes = shm_bytes = 0
     spans = []
     occurrences: dict[tuple[str, str], list] = {}
-    for _b, batch in enumerate(req.batches):
+    for b, batch in enumerate(req.batches):
         modality = modality_from_pb(batch.modality)
         if modality in seen:
             raise InvalidArgument(f"two batches of modality {modality!r}: one batch per modality")
         seen.add(modality)
-        if batch.identity_scheme not in PB_TO_SCHEME:
-            raise InvalidArgument(f"unknown identity scheme {batch.identity_scheme}")
-        scheme = PB_TO_SCHEME[batch.identity_scheme]
+        spec = scheme_from_pb(batch.identity_scheme)
+        scheme = spec.name
         if batch.adapter:
             check_uuid(batch.adapter, "adapter")
         if not batch.items:
             raise InvalidArgument(f"batch {modality!r} has no items")
         n_items += len(batch.items)
         if n_items > limits.max_items:
-            raise limit_exceeded("max_items", n_items, limits.max_items)
+            raise limit_exceeded("max_items", n_items, limits.max_items, f"batches[{b}].items")
         if batch.mm_hashes and list(batch.mm_hashes) != [it.mm_hash for it in batch.items]:
             raise InvalidArgument(f"batch {modality!r}: mm_hashes disagree with its items")
         if batch.mm_placeholders and list(batch.mm_placeholders) != [it.placeholder for it in batch.items]:
@@ -279,7 +279,8 @@ def validate_request(req: fpb.MultimodalRequest, limits: Limits = DEFAULT_LIMITS
                 n_inline_items += 1
                 inline_bytes += len(it.kwargs_msgpack)
                 if inline_bytes > limits.max_inline_bytes:  # checked before decoding
-                    raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes)
+                    raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes,
+                                         f"batches[{b}].items[{i}].kwargs_msgpack")
                 decoded = decode_kwargs_item(it.kwargs_msgpack, limits)
                 decoded.require_tensors(where)  # the worker hands the model tensors only
                 for key, (dtype, shape, data) in decoded.tensors.items():
@@ -301,19 +302,22 @@ def validate_request(req: fpb.MultimodalRequest, limits: Limits = DEFAULT_LIMITS
                         shm_bytes += t.nbytes
                 n_inline_items += any_inline
                 if inline_bytes > limits.max_inline_bytes:
-                    raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes)
+                    raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes,
+                                         f"batches[{b}].items[{i}].kwargs")
                 if limits.max_shm_bytes is not None and shm_bytes > limits.max_shm_bytes:
-                    raise limit_exceeded("max_shm_bytes", shm_bytes, limits.max_shm_bytes)
+                    raise limit_exceeded("max_shm_bytes", shm_bytes, limits.max_shm_bytes,
+                                         f"batches[{b}].items[{i}].kwargs")
             elif not limits.allow_cache_only:
                 raise InvalidArgument(f"{where}: features without kwargs (cache-only reference) are not enabled")
             elif not it.mm_hash:
                 raise InvalidArgument(f"{where}: a cache-only reference needs its mm_hash")
             if n_inline_items > limits.max_inline_items:
-                raise limit_exceeded("max_inline_items", n_inline_items, limits.max_inline_items)
+                raise limit_exceeded("max_inline_items", n_inline_items, limits.max_inline_items,
+                                     f"batches[{b}].items[{i}]")
             for key, t in tensors.items():
                 occurrences.setdefault((modality, key), []).append((fields[key], len(t.shape)))
-            if scheme == "grpc-mm" and decoded is None and tensors:
-                raise InvalidArgument(f"{where}: the grpc-mm identity needs kwargs_msgpack (inline)")
+            if spec.over_msgpack and decoded is None and tensors:
+                raise InvalidArgument(f"{where}: the {scheme} identity needs kwargs_msgpack (inline)")
             items.append(CheckedItem(i, placeholder, tensors, fields, it.mm_hash,
                                      it.cache_identifier or (cache_identifier(it.mm_hash, batch.adapter or None)
                                                              if it.mm_hash else ""),

@@ -28,7 +28,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from ..errors import InvalidArgument, PermissionDenied
+from ..errors import InvalidArgument, PermissionDenied, Unavailable
 from ..shm_names import SHM_DIR
 from ..v1 import remote_pb2 as rpb
 from ..v1 import remote_pb2_grpc as rpb_grpc
@@ -135,7 +135,7 @@ class RemoteExtension:
         """Abort with UNAUTHENTICATED unless the call carries the shared secret (when one is set).
         The TLS handshake (client certificate) happened before any call reached us."""
         if self._secret is not None and not secret_matches(context.invocation_metadata(), self._secret):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated: missing or wrong remote secret")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong remote secret")
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, peer: str) -> tuple[str, str]:
@@ -205,7 +205,7 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
         ext = self._ext
         ext.authenticate(context)
         if ext._stopping.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "daemon_unavailable: daemon stopping")
+            raise Unavailable("daemon stopping")
         _, token = ext.open_session(request.peer_name)
         ended = threading.Event()
         context.add_callback(ended.set)  # the peer went away (or the server is stopping)
@@ -226,11 +226,9 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
     def RemoteAcquire(self, request, context):
         from ..daemon.server import bounded_wait
 
-        return self._typed(context, self._acquire, request,
-                           bounded_wait(self._ext.daemon.config.commit_wait_s, context))
-
-    def _acquire(self, request, context, wait_s):
         ext = self._ext
+        ext.authenticate(context)
+        wait_s = bounded_wait(ext.daemon.config.commit_wait_s, context)
         session_id = ext.session_for(context)
         if not request.tensors:
             raise InvalidArgument("tensors must not be empty")
@@ -250,25 +248,10 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
         return rpb.RemoteAcquireResponse(lease_ids=lease_ids, regions=regions)
 
     def RemoteRelease(self, request, context):
-        return self._typed(context, self._release, request)
-
-    def _release(self, request, context):
+        self._ext.authenticate(context)
         session_id = self._ext.session_for(context)
         self._ext.daemon.registry.release(session_id, (), request.lease_ids)
         return rpb.RemoteReleaseResponse()
-
-    def _typed(self, context, fn, request, *args):
-        from ..errors import ShmTransportError, status_for
-
-        self._ext.authenticate(context)  # outside the try: abort raises a bare Exception
-        try:
-            return fn(request, context, *args)
-        except ShmTransportError as exc:
-            code, details = status_for(exc)
-            context.abort(code, details)
-        except Exception:
-            _log.exception("internal error in the Remote service")
-            context.abort(grpc.StatusCode.INTERNAL, "internal: unexpected daemon error (see daemon log)")
 
 
 def remote_extension(

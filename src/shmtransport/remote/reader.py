@@ -12,6 +12,7 @@ Unavailable (TLS handshake).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -134,8 +135,12 @@ class RemoteBuffer:
         self.release()
 
     def __del__(self):
+        # The client's finalizer policy: warn, then release — by the reader's next read or its
+        # close, never here (a finalizer may run inside the reader's lock).
         if not getattr(self, "released", True):
-            warnings.warn(f"{self!r} was never released", ResourceWarning, 2)
+            self._reader._collected.append(self)  # keeps the buffer until then; first: the warning may be an error
+            warnings.warn(f"{self!r} was never released: released by the garbage collector (call release, "
+                          "or use it as a context manager)", ResourceWarning, 2)
 
     def __repr__(self) -> str:
         where = f"slot {self._slot}" if self._slot is not None else "dynamic"
@@ -279,6 +284,7 @@ class RemoteReader:
         self.large_cache_nbytes = large_cache_nbytes
         self._large_cache: list[_LargeBuffer] = []  # released, still registered, oldest first
         self._deferred: list[RemoteBuffer] = []  # released while the caller still held views
+        self._collected: collections.deque[RemoteBuffer] = collections.deque()  # dropped unreleased
         self._pending: list = []  # lease releases in flight
         self.stats = {"reads": 0, "pooled": 0, "dynamic": 0, "registrations": 0, "bytes": 0}
 
@@ -288,6 +294,8 @@ class RemoteReader:
 
     # -- destinations ----------------------------------------------------------------------------
     def _sweep_deferred(self, force: bool = False) -> None:
+        while self._collected:
+            self._collected.popleft().release()
         with self._lock:
             deferred, self._deferred = self._deferred, []
         for buf in deferred:
@@ -296,7 +304,7 @@ class RemoteReader:
             self._give_back(buf, force=force)
 
     def _destination(self, tensor) -> RemoteBuffer:
-        if self._deferred:
+        if self._deferred or self._collected:
             self._sweep_deferred()
         nbytes = int(tensor.shm.nbytes)
         if nbytes <= self.slot_nbytes:

@@ -1,7 +1,7 @@
 """Choosing a transport per tensor, and counting every choice (never a silent fallback).
 
 ``shm`` when the producer's daemon and the consumer's daemon share ``/dev/shm`` (equal namespace
-ids ``<boot_id>:<st_dev of /dev/shm>``, see ``_Connection.hello["shm_namespace"]``), ``remote``
+ids ``<boot_id>:<st_dev of /dev/shm>``, see ``SessionHello.shm_namespace``), ``remote``
 (NIXL) otherwise, ``inline`` bytes only when the caller allowed them and NIXL is not available.
 """
 from __future__ import annotations

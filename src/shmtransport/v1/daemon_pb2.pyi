@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionAccess(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_ACCESS_UNSPECIFIED: _ClassVar[SessionAccess]
+    SESSION_ACCESS_READ_WRITE: _ClassVar[SessionAccess]
+    SESSION_ACCESS_READ_ONLY: _ClassVar[SessionAccess]
+SESSION_ACCESS_UNSPECIFIED: SessionAccess
+SESSION_ACCESS_READ_WRITE: SessionAccess
+SESSION_ACCESS_READ_ONLY: SessionAccess
 
 class Handle(_message.Message):
     __slots__ = ("name", "offset", "nbytes", "owner_id", "generation", "instance_id", "slot")
@@ -293,3 +303,61 @@ class ListResponse(_message.Message):
     total_objects: int
     clients: _containers.RepeatedCompositeFieldContainer[ClientStat]
     def __init__(self, tenant: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., total_objects: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("access",)
+    ACCESS_FIELD_NUMBER: _ClassVar[int]
+    access: SessionAccess
+    def __init__(self, access: _Optional[_Union[SessionAccess, str]] = ...) -> None: ...
+
+class ObjectTableInfo(_message.Message):
+    __slots__ = ("segment_name", "nslots", "handoff_window_ms", "max_hold_ms")
+    SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    segment_name: str
+    nslots: int
+    handoff_window_ms: int
+    max_hold_ms: int
+    def __init__(self, segment_name: _Optional[str] = ..., nslots: _Optional[int] = ..., handoff_window_ms: _Optional[int] = ..., max_hold_ms: _Optional[int] = ...) -> None: ...
+
+class SessionHello(_message.Message):
+    __slots__ = ("session_id", "token", "instance_id", "segment_name", "arena_nbytes", "shm_namespace", "tenant", "pid", "object_table", "holder_bit")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARENA_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_TABLE_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_BIT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token: str
+    instance_id: str
+    segment_name: str
+    arena_nbytes: int
+    shm_namespace: str
+    tenant: str
+    pid: int
+    object_table: ObjectTableInfo
+    holder_bit: int
+    def __init__(self, session_id: _Optional[str] = ..., token: _Optional[str] = ..., instance_id: _Optional[str] = ..., segment_name: _Optional[str] = ..., arena_nbytes: _Optional[int] = ..., shm_namespace: _Optional[str] = ..., tenant: _Optional[str] = ..., pid: _Optional[int] = ..., object_table: _Optional[_Union[ObjectTableInfo, _Mapping]] = ..., holder_bit: _Optional[int] = ...) -> None: ...
+
+class SessionRefusal(_message.Message):
+    __slots__ = ("reason", "message")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    message: str
+    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("hello", "refusal")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    hello: SessionHello
+    refusal: SessionRefusal
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., refusal: _Optional[_Union[SessionRefusal, _Mapping]] = ...) -> None: ...

@@ -69,18 +69,18 @@ def stop_process(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> int 
 
 
 class WorkerProcess:
-    """``shmtransport worker`` as a child process; ``address`` is the gRPC target (``unix:PATH``)."""
+    """``shmtransport worker`` as a child process; ``address`` is the gRPC target (``unix:PATH``).
+    ``entry``: what ``python`` runs instead, a script taking the same options and printing the same
+    ready line (e.g. a worker with more ingests)."""
 
     def __init__(self, socket_path: str, daemon_socket: str, *, device: str = "cpu",
-                 max_inline_bytes: int | None = None, allow_segment_pread: bool = False,
+                 max_inline_bytes: int | None = None, entry: tuple[str, ...] = ("-m", "shmtransport", "worker"),
                  extra_args: tuple[str, ...] = (), env: dict | None = None, timeout_s: float = 60.0):
         self.address = f"unix:{socket_path}"
-        cmd = [sys.executable, "-m", "shmtransport", "worker", "--socket", socket_path,
+        cmd = [sys.executable, *entry, "--socket", socket_path,
                "--daemon-socket", daemon_socket, "--device", device, "--log-level", "WARNING", *extra_args]
         if max_inline_bytes is not None:
             cmd += ["--max-inline-bytes", str(max_inline_bytes)]
-        if allow_segment_pread:
-            cmd.append("--allow-segment-pread")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**_WORKER_ENV, **os.environ, **(env or {})}, preexec_fn=die_with_parent)
         self.ready_line = _wait_ready(self.proc, "shmtransport worker", timeout_s)

@@ -26,7 +26,7 @@ import numpy as np
 from ..client import Consumer
 from ..embedmask import PlaceholderRange
 from ..errors import IdentityMismatch, InvalidArgument
-from ..identity import combine, grpc_mm_identity, tensor_digest
+from ..identity import combine, identity_scheme, tensor_digest
 from ..protocol import routing
 from ..protocol.items import FieldConfig
 from ..protocol.limits import DEFAULT_LIMITS, Limits
@@ -103,12 +103,6 @@ class EngineInputs:
     def __exit__(self, *exc) -> None:
         self.consumed()
 
-    def __del__(self):
-        if getattr(self, "_leases", None):
-            try:
-                self.consumed()
-            except Exception:
-                pass
 
 
 def _mask_tensor(p: PlaceholderRange):
@@ -169,8 +163,9 @@ def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision, c
     identity = it.mm_hash
     needs_identity = verify == "always" or (not it.mm_hash and mode == "aggregated")
     if needs_identity and (it.tensors or it.msgpack is not None):
-        if batch.scheme == "grpc-mm":
-            identity = grpc_mm_identity(modality, it.msgpack.raw)
+        spec = identity_scheme(batch.scheme)
+        if spec.over_msgpack:
+            identity = spec.msgpack_identity(modality, it.msgpack.raw)
         else:
             entries = []
             for key, t in it.tensors.items():

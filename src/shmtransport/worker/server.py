@@ -15,10 +15,12 @@ Timing of each request travels back in trailing metadata ``x-shmt-timing`` (JSON
 can subtract its own stamps): ``received``, ``opened`` (leased + verified), ``on_device``,
 ``encoded``, ``released``.
 
-``allow_segment_pread`` (benchmarks only) adds the SMG-style ingest path used as a peer in
-``benchmarks/suites/pipeline.py``: with metadata ``x-shmt-ingest: segment-pread`` every
-``TensorData.shm`` names a fresh file in /dev/shm (prefix ``stbench_seg_``) that the worker reads
-with ``pread`` (copy 1) into a ``bytearray`` (copy 2) and unlinks, as SMG's worker does.
+Other ways in (``ingests``, an extension point): a request with metadata ``x-shmt-ingest: NAME``
+(default ``shm``: through the daemon, as above) gets its tensors from
+``ingests[NAME](service, request.multimodal, prompt_len)``: a list of ``model.MMItem`` whose tensors
+the worker owns (nothing to release), checked against the model and encoded like the shared-memory
+ones; a name the worker does not serve is InvalidArgument. The pipeline benchmark's SMG-style peer
+(``benchmarks/peers/segment_pread_worker.py``) is one.
 """
 from __future__ import annotations
 
@@ -28,20 +30,18 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import grpc
 import numpy as np
 
 from ..client import Consumer
-from ..errors import IdentityMismatch, InvalidArgument, Reason, ShmTransportError, Unavailable, status_for
-from ..identity import combine, tensor_digest
+from ..error_boundary import ErrorBoundary
+from ..errors import InvalidArgument, Unavailable
 from ..protocol import sampling as sampling_mod
 from ..protocol.capabilities import ServerInfoServicer
 from ..protocol.limits import DEFAULT_LIMITS, Limits
-from ..protocol.spec import DEBUG_HOLD_KEY, INGEST_KEY, SEGMENT_PREFIX, TIMING_KEY, grpc_options  # noqa: F401
-from ..protocol.validate import validate_request
-from ..tensors import DTYPES, to_torch
+from ..protocol.spec import DEBUG_HOLD_KEY, INGEST_KEY, TIMING_KEY, grpc_options
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
 from . import model as model_mod
@@ -50,6 +50,9 @@ from .request import open_request
 _log = logging.getLogger("shmtransport.worker")
 
 _FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
+
+# (service, request.multimodal, prompt length) -> the request's items: see ``ingests`` above.
+Ingest = Callable[["GeneratorService", Any, int], "list[model_mod.MMItem]"]
 
 
 def resolve_device(device: str) -> str:
@@ -68,7 +71,7 @@ class _Aborted(Exception):
 
 class GeneratorService(ServerInfoServicer):
     def __init__(self, daemon_socket: str | None, *, device: str = "auto", verify: str = "always",
-                 limits: Limits = DEFAULT_LIMITS, allow_segment_pread: bool = False,
+                 limits: Limits = DEFAULT_LIMITS, ingests: Mapping[str, Ingest] | None = None,
                  host_register: bool = True, chunk_tokens: int = 1, debug_hooks: bool = False):
         import torch
 
@@ -76,7 +79,7 @@ class GeneratorService(ServerInfoServicer):
         self.limits = limits
         self.verify = verify
         self.device = resolve_device(device)
-        self.allow_segment_pread = allow_segment_pread
+        self.ingests = dict(ingests or {})
         self.chunk_tokens = max(1, chunk_tokens)
         self.debug_hooks = debug_hooks
         torch.manual_seed(0)
@@ -156,10 +159,10 @@ class GeneratorService(ServerInfoServicer):
         try:
             if not mm.batches and not mm.raw_media:
                 pass
-            elif ingest == "segment-pread":
-                if not self.allow_segment_pread:
-                    raise InvalidArgument("segment-pread ingest is disabled on this worker")
-                items = self._open_segments(mm, len(prompt))
+            elif ingest != "shm":
+                if ingest not in self.ingests:
+                    raise InvalidArgument(f"ingest {ingest!r} is not served by this worker")
+                items = self.ingests[ingest](self, mm, len(prompt))
             else:
                 # Off the CPU the host tensors are only copied to the device (by DMA from the pinned
                 # arena): no code gets to write them in place, so they need no private pages.
@@ -211,35 +214,6 @@ class GeneratorService(ServerInfoServicer):
                 raise _Aborted()
             time.sleep(0.01)
 
-    def _open_segments(self, mm, prompt_len: int) -> list[model_mod.MMItem]:
-        """SMG-style ingest (benchmark peer): pread + bytearray per tensor file, unlink, verify."""
-        import torch
-
-        checked = validate_request(mm, self.limits, prompt_len)
-        items = []
-        for batch in checked.batches:
-            for it in batch.items:
-                arrays, entries = {}, []
-                for key, t in it.tensors.items():
-                    if t.kind == "shm":
-                        arrays[key] = _pread_segment(t.source.shm.name, t.nbytes, t.dtype, t.shape)
-                    else:
-                        arrays[key] = np.frombuffer(t.source, dtype=DTYPES[t.dtype]).reshape(t.shape)
-                    if self.verify == "always":
-                        digest = tensor_digest(batch.scheme, arrays[key].reshape(-1).view(np.uint8))
-                        entries.append((key, t.dtype, t.shape, t.nbytes, digest))
-                if self.verify == "always" and it.mm_hash:
-                    identity = combine(batch.scheme, batch.modality, entries)
-                    if identity != it.mm_hash:
-                        raise IdentityMismatch(f"{batch.modality}[{it.index}]: payload identity {identity} != "
-                                               f"mm_hash {it.mm_hash}")
-                mask = it.placeholder.is_embed
-                is_embed = torch.from_numpy(np.ascontiguousarray(mask.to_bools(), dtype=np.bool_)) if mask else None
-                items.append(model_mod.MMItem(batch.modality, {k: to_torch(a, it.tensors[k].dtype)
-                                                               for k, a in arrays.items()},
-                                              it.placeholder.offset, it.placeholder.length, is_embed))
-        return items
-
     # -- RPCs -----------------------------------------------------------------------------------------
     def _chunks(self, request: gpb.GenerateRequest, context):
         timing = {"received": time.perf_counter()}
@@ -284,16 +258,6 @@ class GeneratorService(ServerInfoServicer):
             yield chunk
             pending = []
 
-    def _fail(self, exc: BaseException, context) -> None:
-        self.stats["errors"] += 1
-        if isinstance(exc, ShmTransportError):
-            code, details = status_for(exc)
-        else:
-            _log.exception("request failed")
-            code, details = status_for(ShmTransportError(f"worker error: {type(exc).__name__}: {exc}",
-                                                         Reason.INTERNAL))
-        context.abort(code, details)
-
     def GenerateStream(self, request, context):
         gen = self._chunks(request, context)
         try:
@@ -304,8 +268,9 @@ class GeneratorService(ServerInfoServicer):
         except GeneratorExit:  # the client went away: closing ``gen`` runs every finally
             self.stats["cancelled"] += 1
             raise
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc, context)
+        except Exception:  # counted; the server's ErrorBoundary answers it
+            self.stats["errors"] += 1
+            raise
         finally:
             gen.close()
 
@@ -315,8 +280,9 @@ class GeneratorService(ServerInfoServicer):
         except _Aborted:
             self.stats["cancelled"] += 1
             context.abort(grpc.StatusCode.CANCELLED, "cancelled")
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc, context)
+        except Exception:  # counted; the server's ErrorBoundary answers it
+            self.stats["errors"] += 1
+            raise
         from ..protocol.folding import fold
 
         return fold(chunks, request_id=request.request_id)
@@ -350,28 +316,6 @@ def _clear_cuda_error() -> None:
         pass
 
 
-def _pread_segment(name: str, nbytes: int, dtype: str, shape) -> np.ndarray:
-    if "/" in name or not name.startswith(SEGMENT_PREFIX):
-        raise InvalidArgument(f"refusing segment name {name!r}")
-    path = os.path.join("/dev/shm", name)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        chunks, got = [], 0
-        while got < nbytes:
-            chunk = os.pread(fd, nbytes - got, got)
-            if not chunk:
-                raise InvalidArgument(f"{name}: {got} of {nbytes} bytes")
-            chunks.append(chunk)
-            got += len(chunk)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    buf = bytearray(raw)  # SMG's second copy
-    del raw, chunks
-    return np.frombuffer(buf, dtype=DTYPES[dtype]).reshape(shape)
-
-
 class WorkerServer:
     """The gRPC server around ``GeneratorService``; ``address`` is ``unix:PATH`` or ``HOST:PORT``."""
 
@@ -381,7 +325,7 @@ class WorkerServer:
         self.service = GeneratorService(daemon_socket, **options)
         max_message = max(64 << 20, limits.max_inline_bytes + (8 << 20))
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=max_workers),
-                                   options=grpc_options(max_message))
+                                   options=grpc_options(max_message), interceptors=[ErrorBoundary()])
         gpb_grpc.add_GeneratorServicer_to_server(self.service, self._server)
         self.port = self._server.add_insecure_port(address)
         if self.port == 0:

@@ -1,6 +1,7 @@
-"""``make demo``: the whole pipeline on one node — renderer -> shmtransportd -> worker server.
+"""``make demo`` (``python examples/demo.py``): the whole pipeline on one node — renderer -> shmtransportd ->
+worker server.
 
-By default the worker is vLLM's real engine (``shmtransport.engine.demo``: vLLM's stock gRPC server
+By default the worker is vLLM's real engine (``examples/vllm_demo.py``: vLLM's stock gRPC server
 and our zero-copy ``vllm-worker`` side by side). ``--worker reference`` runs the reference worker
 described below instead.
 
@@ -59,7 +60,7 @@ class Media:
     """Renders every sample once (the processors are the renderer's cost, not the transport's)."""
 
     def __init__(self, real: bool):
-        from .frontend import media
+        from shmtransport.frontend import media
 
         self.real = real
         self.features: dict[str, dict[str, np.ndarray]] = {}
@@ -88,8 +89,8 @@ class Media:
         """The kind's items. Shared-memory path with the real renderer: images and video are written
         in place into loans (committed by the frontend, digest from shared memory); audio (and every
         synthetic tensor) is copied once by ``put``. Inline path: the processors' numpy output."""
-        from .frontend.generate import Item
-        from .frontend.media import Renderer, video_shape
+        from shmtransport.frontend.generate import Item
+        from shmtransport.frontend.media import Renderer, video_shape
 
         out = []
         try:
@@ -112,7 +113,7 @@ class Media:
                 else:
                     out.append(Item(modality, dict(self.features[key])))
         except BaseException:
-            from .client import Loan
+            from shmtransport.client import Loan
 
             for it in out:
                 for v in it.kwargs.values():
@@ -124,7 +125,7 @@ class Media:
 
 def _drop_one_embed(batch) -> None:
     """Make the first item's is_embed mark one position fewer than its image gives (malformed)."""
-    from .embedmask import EmbedMask
+    from shmtransport.embedmask import EmbedMask
 
     ph = batch.items[0].placeholder
     bools = EmbedMask(ph.is_embed, ph.is_embed_nbits).to_bools().astype(bool)
@@ -156,19 +157,19 @@ def main(argv: list[str] | None = None) -> int:
                              "reference: the small reference worker (every modality, LoRA, cancel, errors)")
     args = parser.parse_args(argv)
     if args.worker == "vllm":
-        from .engine.demo import run
+        from vllm_demo import run  # examples/vllm_demo.py, next to this script
 
         print("worker: vLLM engine (--worker reference for the reference worker)")
         return run(quick=args.quick)
     print("worker: the reference worker (--worker vllm for vLLM's engine)")
     rounds = args.rounds or (2 if args.quick else 8)
 
-    from . import BACKEND
-    from .client import Producer
-    from .errors import InvalidArgument, ShmTransportError
-    from .frontend.generate import Frontend
-    from .protocol.limits import DEFAULT_LIMITS
-    from .worker.process import WorkerProcess, start_daemon_process, stop_process
+    from shmtransport import BACKEND
+    from shmtransport.client import Producer
+    from shmtransport.errors import InvalidArgument, ShmTransportError
+    from shmtransport.frontend.generate import Frontend
+    from shmtransport.protocol.limits import DEFAULT_LIMITS
+    from shmtransport.worker.process import WorkerProcess, start_daemon_process, stop_process
 
     real = not args.synthetic
     if real:

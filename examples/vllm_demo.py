@@ -17,15 +17,15 @@ import time
 
 import grpc
 
-from . import paths, process, tiny_model
-from .qwen2_vl import Qwen2VLRenderer
+from shmtransport.engine import paths, process, tiny_model
+from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
 
 PREFIX = "shmtdemo"
 MAX_TOKENS = 8
 
 
 def _kinds(renderer: Qwen2VLRenderer, large_renderer: Qwen2VLRenderer) -> dict:
-    from ..frontend.media import synthetic_image, synthetic_video
+    from shmtransport.frontend.media import synthetic_image, synthetic_video
 
     img = lambda w, h, seed, r=renderer: r.image(synthetic_image(w, h, seed))  # noqa: E731
     return {
@@ -38,8 +38,8 @@ def _kinds(renderer: Qwen2VLRenderer, large_renderer: Qwen2VLRenderer) -> dict:
 
 
 def run(quick: bool) -> int:
-    from ..client import Consumer, Producer
-    from ..worker.process import start_daemon_process, stop_process
+    from shmtransport.client import Consumer, Producer
+    from shmtransport.worker.process import start_daemon_process, stop_process
 
     rounds = 1 if quick else 3
     started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Chaos and soak harness: random producer/consumer workloads while parties are SIGKILLed.
 
-    python -m shmtransport.chaos --iterations N [--seed S] [--soak-s SECONDS] [--json PATH]
+    python tools/chaos.py --iterations N [--seed S] [--soak-s SECONDS] [--json PATH]
 
 A controller (this process) runs a real daemon process (``python -m shmtransport daemon``) and a
 small pool of long-lived ``spawn`` worker processes (producers and consumers). Each iteration moves
@@ -20,6 +20,8 @@ Checked after every iteration and at the end:
 - every consumer that was not killed either got bytes whose digest verifies and that equal the
   expected bytes, or a typed ``ShmTransportError`` (``IdentityMismatch`` counts as a failure:
   it would mean stale or foreign bytes), within its deadline (a missed deadline is a hang);
+- no consumer refuses a handle of the daemon instance it is connected to (``stale_instance_refusals``:
+  bug 1 of docs/reliability.md, fixed; each one is a failure);
 - no worker dies on its own and none raises anything but a ``ShmTransportError``;
 - the daemon settles to 0 live objects and 0 live leases (dead sessions are reclaimed, objects a
   killed producer handed off are reclaimed when the short hand-off window passes), and /dev/shm
@@ -90,9 +92,9 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import numpy as np
 
-    from . import table_client
-    from .client import Consumer, Handle, Producer
-    from .errors import IdentityMismatch, Reason, ShmTransportError, Unavailable
+    from shmtransport import table_client
+    from shmtransport.client import Consumer, Handle, Producer
+    from shmtransport.errors import IdentityMismatch, Reason, ShmTransportError, Unavailable
 
     client = None
     last_handle = None
@@ -154,18 +156,15 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                 _, blob, seed, nbytes, pause_at = msg
                 handle = Handle.from_bytes(blob)
                 phase("c_before_acquire", pause_at)
-                known_bug = False
                 try:
                     lease = client.acquire(handle)
                 except Unavailable as exc:
-                    if exc.reason is not Reason.INSTANCE_MISMATCH or "connected to" not in str(exc):
-                        raise
-                    # KNOWN BUG (tests/chaos/test_chaos.py, strict xfail): the client compared the
-                    # handle with the instance of its previous session without reconnecting. Count
-                    # it, reconnect (any call does) and retry, so the rest of the run stays checked.
-                    known_bug = True
-                    client.stat()
-                    lease = client.acquire(handle)
+                    # A handle of a killed instance is rightly refused; one of the instance the
+                    # client reaches is the stale-instance bug, reported as such (no retry).
+                    if exc.reason is Reason.INSTANCE_MISMATCH and _reaches(client, handle.shm.instance_id):
+                        conn.send(("stale_instance", _typed(exc)))
+                        continue
+                    raise
                 verified = False
                 try:
                     phase("c_after_acquire", pause_at)
@@ -184,10 +183,10 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                     except ShmTransportError:
                         pass
                     if verified:  # the bytes were right; only the release failed (daemon gone)
-                        conn.send(("ok_release_failed", _typed(exc), known_bug))
+                        conn.send(("ok_release_failed", _typed(exc)))
                         continue
                     raise
-                conn.send(("ok", known_bug))
+                conn.send(("ok",))
             elif cmd == "stat":
                 s = client.stat()
                 conn.send(("stat", s.live_objects, s.live_leases, s.quarantined_leases, s.table_objects))
@@ -205,6 +204,17 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
             client.close()
         except ShmTransportError:
             pass
+
+
+def _reaches(client, instance_id: str) -> bool:
+    """Whether ``client``, reconnected if need be, is on daemon instance ``instance_id``."""
+    from shmtransport.errors import ShmTransportError
+
+    try:
+        client.stat()  # any call reconnects
+    except ShmTransportError:
+        return False
+    return client.instance_id == instance_id
 
 
 class Worker:
@@ -362,7 +372,7 @@ class Chaos:
         self.outcomes = collections.Counter()
         self.failures: list[str] = []
         self.respawns = 0
-        self.known_bug_hits = 0
+        self.stale_instance_refusals = 0
         self.iterations = 0
         self.transferred_nbytes = 0
         self.baseline: dict[str, Any] | None = None
@@ -491,7 +501,6 @@ class Chaos:
             self._note("get", got)
             if got is not None and got[0] in ("ok", "ok_release_failed"):
                 self.transferred_nbytes += nbytes
-                self.known_bug_hits += bool(got[-1])
             elif not killed:
                 self._undelivered(got)
             producer = self.workers["producer"][p_idx]
@@ -525,6 +534,10 @@ class Chaos:
             self._fail(f"{step}: stale or foreign bytes: {answer[1]}")
         elif kind == "silent_foreign":
             self._fail(f"{step}: foreign bytes passed verification: {answer[1]}")
+        elif kind == "stale_instance":
+            self.stale_instance_refusals += 1
+            self._fail(f"{step}: a handle of the daemon instance the consumer is connected to was refused: "
+                       f"{answer[1]}")
 
     def _stall(self, p_idx: int, c_idx: int) -> None:
         """The consumer waits (alive, its lease held) at c_after_acquire: the producer releases, the
@@ -628,7 +641,7 @@ class Chaos:
             "kills_total": sum(self.kills.values()),
             "kills": dict(kills),
             "worker_respawns": self.respawns,
-            "known_bug_stale_instance_refusals": self.known_bug_hits,
+            "stale_instance_refusals": self.stale_instance_refusals,
             "daemon_starts": self.daemon.starts,
             "outcomes": dict(sorted(self.outcomes.items())),
             "transferred_nbytes": self.transferred_nbytes,
@@ -701,7 +714,7 @@ def _print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shmtransport.chaos", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/chaos.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--soak-s", type=float, default=None, help="run a soak (no kills) for this many seconds")

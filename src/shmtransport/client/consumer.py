@@ -1,0 +1,128 @@
+"""``Consumer``: acquire -> zero-copy read-only views -> release."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .. import arena
+from ..errors import (
+    HandleError,
+    InvalidArgument,
+    OwnershipError,
+    Reason,
+    Unavailable,
+)
+from ..handle import Handle
+from ..table_client import TableClient
+from ..tensors import tensor_nbytes
+from ..v1 import daemon_pb2 as pb
+from .session import _Client
+from .views import Lease
+
+
+class Consumer(_Client):
+    """The worker's side: ``acquire`` a ``Handle`` for a zero-copy read-only ``Lease``, ``release``
+    it when the model is done with the bytes. Thread-safe; a context manager that closes the
+    session."""
+
+    _writable = False
+
+    def acquire(self, handle: Handle, *, ttl_ms: int = 0) -> Lease:
+        """A read-only lease on the object ``handle`` names: ``lease.array`` (numpy) and
+        ``lease.tensor()`` (torch) are zero-copy views, valid until ``release``. ``ttl_ms``: the
+        daemon takes the lease back after that many milliseconds (0: the daemon's default).
+
+        Raises HandleError (stale, forged or out-of-bounds handle), PermissionDenied (another
+        tenant's object), Unavailable (a handle of another daemon instance), InvalidArgument
+        (not a Handle, or its shape and dtype do not match its size)."""
+        return self.acquire_many([handle], ttl_ms=ttl_ms)[0]
+
+    def acquire_many(self, handles: Sequence[Handle], *, ttl_ms: int = 0) -> list[Lease]:
+        """``acquire`` for every handle, all or nothing, in at most one RPC (none for objects
+        in this tenant's object table)."""
+        handles = list(handles)
+        if not handles:
+            raise InvalidArgument("handles must not be empty")
+        for h in handles:
+            if not isinstance(h, Handle):
+                raise InvalidArgument(f"acquire takes Handle objects (Handle.from_bytes turns the wire form into "
+                                      f"one), got {type(h).__name__}")
+        self._conn.ensure_recent()  # a daemon restart is noticed before handles are compared with it
+        for h in handles:
+            if h.shm.instance_id != self.instance_id:
+                # Checked by the daemon too; failing early avoids mapping a foreign segment.
+                raise Unavailable(
+                    f"handle of daemon instance {h.shm.instance_id!r}, connected to {self.instance_id!r}",
+                    Reason.INSTANCE_MISMATCH,
+                )
+        sizes = [_check_manifest(h) for h in handles]
+        leases: list[Lease | None] = [None] * len(handles)
+        if self._deferred:
+            self._requeue_deferred(force=False)  # releases whose views are gone by now
+        with self._lock:
+            tables = self._table_client()
+            if tables is not None:
+                self._acquire_in_table(tables, handles, sizes, leases)
+        rest = [i for i, lease in enumerate(leases) if lease is None]
+        if not rest:
+            return leases
+        try:
+            request = pb.AcquireRequest(handles=[handles[i].shm for i in rest], ttl_ms=ttl_ms)
+            if any(handles[i].commit_token for i in rest):
+                request.commit_tokens.extend(handles[i].commit_token for i in rest)
+            response = self._call("Acquire", request)
+            memories = self._map_granted([handles[i].shm for i in rest], response.lease_ids)
+        except BaseException:
+            self._release_views([lease for lease in leases if lease is not None])
+            raise
+        for i, memory, lease_id in zip(rest, memories, response.lease_ids):
+            leases[i] = Lease(self, handles[i], memory[:sizes[i]], lease_id)
+        return leases
+
+    def _acquire_in_table(self, tables: TableClient, handles: list[Handle], sizes: list[int],
+                          leases: list[Lease | None]) -> None:
+        """Leases with this client's bit on every object-table handle (lock held); all or
+        nothing: a refusal gives back the ones taken and raises."""
+        mapping = self._conn.mapping
+        taken: list[Lease] = []
+        try:
+            for i, h in enumerate(handles):
+                shm = h.shm
+                if not shm.slot or shm.name != mapping.name:
+                    continue  # not this tenant's table: the daemon answers (e.g. another tenant's)
+                if shm.offset + shm.nbytes > mapping.nbytes:
+                    raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena",
+                                      Reason.OUT_OF_BOUNDS)
+                tables.acquire(shm.slot - 1, shm.generation, shm.offset, shm.nbytes)
+                lease = Lease(self, h, mapping.view(shm.offset, shm.nbytes)[:sizes[i]], 0, tables)
+                taken.append(lease)
+                leases[i] = lease
+        except BaseException:
+            for lease in taken:
+                lease._detach_views()
+                self._queue(lease)
+            raise
+
+    def release(self, leases: Lease | Iterable[Lease], *, wait: bool = False) -> None:
+        """Release one lease or many (the same as ``lease.release()``): at once in the object
+        table, otherwise queued and piggybacked on the next call; ``wait=True`` sends them now and
+        raises the daemon's verdict. A lease whose views the caller still holds is released when
+        the last view goes. Raises OwnershipError for another Consumer's lease."""
+        leases = [leases] if isinstance(leases, Lease) else list(leases)
+        for lease in leases:
+            if lease._client is not self:
+                raise OwnershipError(f"{lease!r} belongs to another Consumer")
+        live = [lease for lease in leases if not lease._released]
+        if live:
+            self._release_views(live)
+        if wait:
+            self.flush()
+
+
+def _check_manifest(h: Handle) -> int:
+    """The tensor's byte size; the handle must match it (a zero-size tensor occupies 1 byte).
+    Checked before the Acquire, so a forged handle costs the daemon no lease."""
+    arena.validate_segment_name(h.shm.name)
+    expected = tensor_nbytes(h.shape, h.dtype)
+    if expected != h.nbytes and not (expected == 0 and h.nbytes == 1):
+        raise InvalidArgument(f"handle nbytes {h.nbytes} != {h.dtype}{list(h.shape)} ({expected} bytes)")
+    return expected

@@ -1,0 +1,311 @@
+"""``Producer``: loan -> write in place -> commit (zero copies), or put (one copy, the digest
+fused into it); batches pipeline their commits."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import grpc
+import numpy as np
+
+from .._backend import kernels
+from ..errors import (
+    ClosedError,
+    HandleError,
+    InvalidArgument,
+    OwnershipError,
+    Reason,
+    ResourceExhausted,
+    ShmTransportError,
+    StateError,
+    Unavailable,
+)
+from ..handle import Handle
+from ..tensors import as_byte_array, dtype_name, tensor_nbytes
+from ..v1 import daemon_pb2 as pb
+from .session import _Client
+from .views import Loan
+
+
+class Producer(_Client):
+    """The frontend's side: ``loan`` (write a tensor in place) or ``put`` (copy one in), ``commit``
+    (seal it and hand it off as a ``Handle``), ``release`` (drop this producer's reference).
+    Thread-safe; a context manager that closes the session."""
+
+    _writable = True
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        release_delay_s: float = 0.02,
+        alloc_wait_s: float = 1.0,
+        copy_threads: int | None = None,
+        daemon_uid: int | None = None,
+    ):
+        """The frontend's side (see ``_Client`` for the connection options). ``alloc_wait_s``:
+        how long, in seconds, a loan waits for space when the arena or the quota is full
+        (back-pressure) before ResourceExhausted; 0 fails at once. ``copy_threads``: threads that
+        ``put`` copies (and hashes) large tensors with; None = all cores, 1 = the calling thread."""
+        self._pending_commits: list[grpc.Future] = []
+        self.alloc_wait_s = alloc_wait_s
+        self.copy_threads = copy_threads
+        super().__init__(socket_path, timeout_s=timeout_s, release_delay_s=release_delay_s, daemon_uid=daemon_uid)
+
+    def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
+             dedicated: bool = False) -> Loan:
+        """Writable shared memory for one tensor: ``loan(nbytes)`` (uint8) or ``loan(shape=, dtype=)``."""
+        return self.loan_many([(nbytes, shape, dtype)], dedicated=dedicated)[0]
+
+    def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]],
+                  *, dedicated: bool = False) -> list[Loan]:
+        """Loans for every ``(nbytes, shape, dtype)`` in one RPC (all or nothing).
+
+        ``dedicated``: each loan gets its own daemon-owned segment (handle offset 0) that a stock
+        reader may unlink after reading (SMG / vLLM ShmHandle readers); reclaimed like any loan."""
+        typed = [_loan_spec(*spec) for spec in specs]
+        if not typed:
+            raise InvalidArgument("nbytes must not be empty")
+        if not dedicated:
+            loans = self._place(typed)
+            if loans is not None:
+                return loans
+        request = pb.LoanRequest(
+            nbytes=[max(nbytes, 1) for _, _, nbytes in typed], wait_ms=int(self.alloc_wait_s * 1000),
+            dedicated=dedicated,
+        )
+        response = self._call("Loan", request)
+        memories = self._map_granted(response.handles, [])
+        return [
+            Loan(self, Handle(shm, dt, shape), memory[:nbytes])
+            for shm, memory, (dt, shape, nbytes) in zip(response.handles, memories, typed)
+        ]
+
+    def _place(self, typed: list[tuple[str, tuple[int, ...], int]]) -> list[Loan] | None:
+        """Loans placed in this producer's own grants (the object table): no daemon involved
+        unless a new grant is needed. None when this session has no table."""
+        self._before_call("Loan")
+        self._conn.ensure_recent()
+        with self._lock:
+            tables = self._table_client()
+            if tables is None:
+                return None
+            try:
+                placed = tables.place([max(nbytes, 1) for _, _, nbytes in typed], self.alloc_wait_s)
+            except ResourceExhausted as exc:
+                if exc.reason is not Reason.TABLE_FULL:
+                    raise
+                return None  # no slot left in the tenant's table: these objects are the daemon's to keep
+            mapping, hello = self._conn.mapping, self._conn.hello
+            loans = []
+            for obj, (dt, shape, nbytes) in zip(placed, typed):
+                shm = pb.Handle(name=mapping.name, offset=obj.offset, nbytes=obj.nbytes, owner_id=hello.session_id,
+                                generation=obj.generation, instance_id=hello.instance_id, slot=obj.slot + 1)
+                loans.append(Loan(self, Handle(shm, dt, shape), mapping.view(obj.offset, obj.nbytes)[:nbytes],
+                                  (tables, obj)))
+            self._schedule_flush()  # idle grants go back in the background
+            return loans
+
+    def commit_many(
+        self, loans: Sequence[Loan], *, digest: bool = False, hold_ms: int = 0, wait: bool = False
+    ) -> list[Handle]:
+        """Seal loans and return their handles; ``digest`` computes each content digest (XXH3-128
+        tree digest, checked by ``Lease.verify``) from shared memory first.
+
+        A committed object is handed off: if this producer closes (or dies) before any consumer
+        acquired it, it lives on until a first consumer does, or until the daemon's hand-off
+        window passes with nobody acquiring it. An explicit ``release`` ends the hand-off: the
+        object then lives only as long as consumers that already hold it. ``hold_ms``: keep it
+        alive that long whoever acquires or releases it (fan-out to consumers that come later).
+
+        Loans in the object table commit in shared memory (no round trip). Other loans send a
+        Commit RPC, pipelined unless ``wait`` (a failure raises from this producer's next
+        blocking call); a consumer's Acquire waits for a commit still in flight.
+        """
+        if not loans:
+            raise InvalidArgument("loans must not be empty")
+        if len({id(loan) for loan in loans}) != len(loans):
+            raise InvalidArgument("the same loan appears twice in one commit")
+        for loan in loans:
+            if loan._client is not self:
+                raise OwnershipError(f"{loan!r} belongs to another Producer")
+            if loan._released:
+                raise ClosedError(f"{loan!r} was released; it cannot be committed")
+            if loan.committed:
+                raise StateError(f"{loan!r} is already committed")
+        for loan in loans:
+            if digest:
+                loan.handle.digest = kernels.tree_digest(loan._memory)
+        in_table = [loan for loan in loans if loan._placed is not None]
+        if in_table:
+            with self._lock:
+                for loan in in_table:
+                    tables, placed = loan._placed
+                    if not self._live_table(tables):
+                        raise Unavailable("the daemon restarted: this loan's bytes are gone", Reason.INSTANCE_MISMATCH)
+                    tables.commit(placed, hold_ms)
+                    loan.committed = True
+                    loan._seal()
+        rest = [loan for loan in loans if loan._placed is None]
+        if rest:
+            self._commit_rpc(rest, hold_ms, wait)
+        return [loan.handle for loan in loans]
+
+    def _commit_rpc(self, loans: Sequence[Loan], hold_ms: int, wait: bool) -> None:
+        self._before_call("Commit")
+        request = pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms)
+        self._piggyback(request)
+        future = self._conn.call_future("Commit", request)
+        with self._lock:
+            self._pending_commits.append(future)
+        for loan in loans:
+            loan.committed = True
+        if wait:
+            try:
+                self._settle_commits(block=True)
+            except ShmTransportError:
+                for loan in loans:
+                    loan.committed = False
+                raise
+        for loan in loans:
+            loan._seal()
+
+    def _before_call(self, method: str) -> None:
+        super()._before_call(method)
+        # A release must not overtake the commit of the same object; Stat reports settled state.
+        self._settle_commits(block=method in ("Release", "Stat"))
+
+    def _piggyback(self, request) -> None:
+        # A queued release must not overtake the commit of the same object.
+        if self._queued_handles:
+            self._settle_commits(block=True)
+        super()._piggyback(request)
+
+    def _settle_commits(self, block: bool) -> None:
+        """Raise the first failure among sent commits; wait for all of them when ``block``."""
+        with self._lock:
+            pending, self._pending_commits = self._pending_commits, []
+            failure = None
+            for future in pending:
+                if not block and not future.done():
+                    self._pending_commits.append(future)
+                    continue
+                try:
+                    future.result()
+                except grpc.RpcError as err:
+                    failure = failure or self._conn.typed(err)
+        if failure is not None:
+            try:
+                raise failure
+            finally:
+                del failure  # no cycle through this frame (see _Connection.call)
+
+    def close(self) -> None:
+        """Wait for commits in flight, then close as ``Consumer.close`` does; committed objects
+        nobody acquired yet live on (hand-off), everything else of this session is reclaimed."""
+        if not self._closed:
+            try:
+                self._settle_commits(block=True)
+            except Unavailable:
+                pass  # the daemon is gone: nothing of ours is left to commit
+            finally:
+                super().close()
+
+    def put(self, tensor: Any, *, digest: bool = False, hold_ms: int = 0, dedicated: bool = False) -> Handle:
+        """Copy one numpy array or torch tensor (any dtype, C-contiguous or not) into shared memory
+        and commit it: one copy, with the content digest fused into it when ``digest``. The
+        options are ``commit_many``'s and ``loan_many``'s.
+
+        Raises ResourceExhausted when no space frees within ``alloc_wait_s`` (its reason says
+        whether the arena, the tenant's quota or ``/dev/shm`` is short), InvalidArgument for an
+        unsupported dtype."""
+        return self.put_many([tensor], digest=digest, hold_ms=hold_ms, dedicated=dedicated)[0]
+
+    def put_many(self, tensors: Sequence[Any], *, digest: bool = False, hold_ms: int = 0,
+                 dedicated: bool = False) -> list[Handle]:
+        """``put`` for every tensor, all or nothing, with at most one Loan and one Commit RPC
+        (none with the object table)."""
+        sources = [as_byte_array(t) for t in tensors]
+        loans = self.loan_many([(src.nbytes, shape, dt) for src, dt, shape in sources], dedicated=dedicated)
+        try:
+            for loan, (src, _, _) in zip(loans, sources):
+                if digest:
+                    loan.handle.digest = kernels.copy_tree_digest(loan._memory, src, self.copy_threads)
+                else:
+                    kernels.copy(loan._memory, src, self.copy_threads)
+            handles = self.commit_many(loans, hold_ms=hold_ms)
+        except BaseException:
+            self._release_views(loans)
+            raise
+        for loan in loans:
+            loan._detach_views()  # the producer keeps its reference through the handle, not the loan
+        return handles
+
+    def read_bytes(self, handle: Handle) -> bytes:
+        """A copy of the bytes of an object of this daemon (e.g. to send it inline after all).
+        Raises Unavailable for a handle of another daemon instance."""
+        if handle.shm.instance_id != self.instance_id:
+            raise Unavailable(f"handle of daemon instance {handle.shm.instance_id!r}, connected to "
+                              f"{self.instance_id!r}", Reason.INSTANCE_MISMATCH)
+        return bytes(self._memory(handle.shm)[:handle.nbytes])
+
+    def release(self, handles: Handle | Iterable[Handle], *, wait: bool = False) -> None:
+        """Drop this producer's reference(s); bytes are freed once every consumer that holds
+        them released too. Unlike closing, this ends the hand-off (see ``commit_many``).
+
+        Objects of the object table are released at once, in shared memory (a handle released
+        twice raises StateError). Others are queued and piggybacked like every release;
+        ``wait=True`` sends them now and raises the daemon's verdict (e.g. a double release)."""
+        handles = [handles] if isinstance(handles, Handle) else list(handles)
+        if self._closed:
+            raise ClosedError("Producer is closed")
+        if wait and not handles:
+            raise InvalidArgument("handles must not be empty")
+        handles = self._release_in_table(handles)
+        if not handles:
+            return
+        if wait:
+            self.flush(strict=False)
+            self._call("Release", pb.ReleaseRequest(handles=[h.shm for h in handles]))
+        else:
+            self._queue_handles(h.shm for h in handles)
+
+    def _release_in_table(self, handles: list[Handle]) -> list[Handle]:
+        """Release this producer's object-table handles; the other handles."""
+        if not any(h.shm.slot for h in handles):
+            return handles
+        rest = []
+        self._conn.ensure_recent()
+        with self._lock:
+            tables = self._table_client()
+            for h in handles:
+                if not h.shm.slot:
+                    rest.append(h)
+                    continue
+                if h.shm.instance_id != self.instance_id:
+                    raise Unavailable(f"handle of daemon instance {h.shm.instance_id!r}, connected to "
+                                      f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
+                placed = tables.owned(h.shm.slot - 1, h.shm.generation) if tables is not None else None
+                if placed is None:
+                    if tables is not None and h.shm.owner_id == self._conn.hello.session_id:
+                        raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)
+                    raise OwnershipError(f"{h!r} is not an object of this producer")
+                if (placed.offset, placed.nbytes) != (h.shm.offset, h.shm.nbytes):
+                    raise HandleError(f"{h!r} does not match the object in its slot "
+                                      f"([{placed.offset}, +{placed.nbytes}))", Reason.OUT_OF_BOUNDS)
+                tables.release_own(placed, cancel_handoff=True)
+            self._schedule_flush()  # grants to give back once their objects die
+        return rest
+
+
+def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> tuple[str, tuple[int, ...], int]:
+    if shape is None:
+        if nbytes is None or dtype is not None:
+            raise InvalidArgument("loan needs nbytes, or shape and dtype")
+        return "uint8", (int(nbytes),), tensor_nbytes((int(nbytes),), "uint8")
+    name = dtype_name(dtype if dtype is not None else np.uint8)
+    shape = tuple(int(d) for d in shape)
+    size = tensor_nbytes(shape, name)
+    if nbytes is not None and nbytes != size:
+        raise InvalidArgument(f"nbytes={nbytes} does not match shape {shape} of {name} ({size} bytes)")
+    return name, shape, size

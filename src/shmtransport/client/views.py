@@ -1,0 +1,188 @@
+"""What a caller holds: ``Loan`` (writable bytes until commit) and ``Lease`` (read-only bytes
+until release), and the view tracking both share: a release waits while a numpy or torch view
+of the bytes is still alive, and one garbage-collected unreleased warns, then is released."""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import _call_sites, arena
+from .._backend import kernels
+from ..errors import (
+    ClosedError,
+    IdentityMismatch,
+    InvalidArgument,
+    Reason,
+)
+from ..handle import Handle
+from ..table_client import Placed, TableClient
+from ..tensors import dtype_from_name, to_torch
+
+if TYPE_CHECKING:
+    from .session import _Client
+
+
+
+class _View:
+    """Shared machinery of a Loan and a Lease: a typed view over the bytes a handle names."""
+
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview):
+        self._client = client
+        self.handle = handle
+        self._memory = memory
+        self._array: np.ndarray | None = None
+        self._roots: list[weakref.ref] = []  # of every buffer this view cut typed arrays from
+        self._released = False
+        self._sealed = False  # a committed loan hands out no more (writable) views
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``release`` was called (the views are gone)."""
+        return self._released
+
+    @property
+    def array(self) -> np.ndarray:
+        """Zero-copy numpy view with the tensor's dtype and shape."""
+        if self._array is None:
+            self._check_viewable()
+            self._array = self._typed(self._memory)
+        return self._array
+
+    def tensor(self):
+        """Zero-copy torch tensor over the same bytes (bfloat16 included)."""
+        return to_torch(self.array, self.handle.dtype)
+
+    def _check_viewable(self) -> None:
+        if self._released:
+            raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
+        if self._sealed:
+            raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
+
+    def _typed(self, memory: memoryview) -> np.ndarray:
+        """The handle's dtype and shape over ``memory``, tracked by ``_views_alive``."""
+        root = np.frombuffer(memory, dtype=np.uint8)
+        # numpy points every view derived from ``root`` (slices, reshapes, torch.from_numpy)
+        # at ``root`` itself, so its weakref says whether any view of these bytes is alive.
+        self._roots.append(weakref.ref(root))
+        return root.view(dtype_from_name(self.handle.dtype)).reshape(self.handle.shape)
+
+    def _views_alive(self) -> bool:
+        return any(ref() is not None for ref in self._roots)
+
+    def _detach_views(self) -> None:
+        self._released = True
+        self._array = None
+
+    def _forget_memory(self) -> None:
+        """Once released and unviewed: drop our slice so the process mapping can be unmapped."""
+        self._memory = None
+
+    def _seal(self) -> None:
+        """Committed: no new views; our slice goes as soon as no caller view needs it."""
+        self._sealed = True
+        self._array = None
+        if not self._views_alive():
+            self._forget_memory()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):
+        # The one finalizer policy (views, loans, leases, remote buffers): warn, then release.
+        # Never here: a finalizer runs on whichever thread the collector happens to, inside any
+        # lock, so the client's background thread does it. A closed client released it already.
+        if not getattr(self, "_released", True) and not self._client.closed:
+            self._client._collected_unreleased(self)  # first: the warning may be an error
+            warnings.warn(f"{type(self).__name__} {self.handle!r} was never released: released by the garbage "
+                          "collector (call release, or use it as a context manager)", ResourceWarning, 2)
+
+
+class Loan(_View):
+    """Writable bytes loaned to a producer; ``commit`` seals them and returns the handle."""
+
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview,
+                 placed: tuple[TableClient, Placed] | None = None):
+        """``placed``: the object-table entry of a loan placed in this producer's own grant."""
+        super().__init__(client, handle, memory)
+        self._placed = placed
+        self.committed = False
+        if _call_sites.enabled:  # a leak check is on: remember the caller for its report
+            _call_sites.record(self)
+
+    def commit(self, *, digest: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
+        """Seal the bytes and hand the object off; the handle names it to consumers. See
+        ``Producer.commit_many`` for ``digest``, ``hold_ms`` and ``wait``.
+
+        Raises ClosedError (released), StateError (already committed), Unavailable (the daemon
+        restarted under the loan)."""
+        return self._client.commit_many([self], digest=digest, hold_ms=hold_ms, wait=wait)[0]
+
+    def release(self) -> None:
+        """Give the loan back without committing (or drop the producer reference after commit)."""
+        if not self._released:
+            self._client._release_views([self])
+
+    def __repr__(self) -> str:
+        return f"Loan({self.handle!r}, {'released' if self._released else 'live'})"
+
+    def __del__(self):
+        # A committed loan's reference is its handle from then on (``Producer.release(handle)``,
+        # or the producer's close); only a loan dropped uncommitted and unreleased is a leak.
+        if not getattr(self, "committed", True):
+            super().__del__()
+
+
+class Lease(_View):
+    """A consumer's read-only view of committed bytes, valid until ``release``."""
+
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview, lease_id: int,
+                 table: TableClient | None = None):
+        """``table``: set for a lease held with this client's bit in the object table
+        (``lease_id`` 0); otherwise the daemon's lease ``lease_id``."""
+        super().__init__(client, handle, memory)
+        self.lease_id = lease_id
+        self._table = table
+        self._private: np.ndarray | None = None
+        if _call_sites.enabled:  # a leak check is on: remember the caller for its report
+            _call_sites.record(self)
+
+    def tensor(self):
+        """Torch tensor of the leased bytes on private pages of this lease (``arena.private_view``).
+
+        From 1 MiB on, reads copy nothing (the pages are the shared ones until written) and an
+        in-place op (``div_``, ``add_``, ...) copies just the pages it writes; smaller tensors are
+        copied once, which costs less than mapping. Either way this lease's tensors see the change;
+        ``array``, other leases and other processes do not. Torch has no read-only tensors: over
+        the read-only shared mapping an in-place op would die of SIGSEGV. Like ``array``, a live
+        tensor keeps the lease after ``release`` (its pages must not meet a new object)."""
+        if self._private is None:
+            self._check_viewable()
+            self._private = self._typed(arena.private_view(self._memory, self.handle.shm.offset))
+        return to_torch(self._private, self.handle.dtype)
+
+    def _detach_views(self) -> None:
+        super()._detach_views()
+        self._private = None
+
+    def verify(self) -> None:
+        """Recompute the content digest from shared memory; IdentityMismatch when it differs."""
+        if self._released:
+            raise ClosedError(f"{self!r} is released", Reason.VIEW_RELEASED)
+        if not self.handle.digest:
+            raise InvalidArgument("handle carries no digest: the producer did not hash")
+        if kernels.tree_digest(self._memory) != self.handle.digest:
+            raise IdentityMismatch(f"content digest mismatch for {self.handle!r}")
+
+    def release(self) -> None:
+        """Give the lease back (see ``Consumer.release``); ``array`` raises from then on."""
+        if not self._released:
+            self._client._release_views([self])
+
+    def __repr__(self) -> str:
+        return f"Lease(id={self.lease_id}, {self.handle!r}, {'released' if self._released else 'live'})"
