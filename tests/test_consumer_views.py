@@ -325,7 +325,7 @@ def test_attach_fd_refuses_a_file_a_daemon_would_not_hand_out_and_closes_the_fd(
         with pytest.raises(expected):
             arena.attach_fd(fd, name, 2 << 16 if case == "too-small" else 1 << 16, writable, owner)
         assert _is_closed(fd, target)
-        assert not [key for key in arena._mappings if key[0] == name]
+        assert arena.mappings_of(name) == []
     finally:
         os.unlink(path)
 
@@ -347,7 +347,7 @@ def test_attach_fd_shares_one_mapping_per_segment_and_mode():
             arena.attach_fd(os.open(path, os.O_RDONLY), name, 1 << 16, False, os.geteuid())
         arena.detach(first)
         arena.detach(first)
-        assert first.closed and (name, False) not in arena._mappings
+        assert first.closed and arena.mappings_of(name) == []
     finally:
         os.unlink(path)
 

@@ -782,11 +782,10 @@ def test_lease_object_outliving_its_consumer_does_not_leak_the_mapping(daemon):
         del lease  # the idiom above leaves `lease` bound until here
         gc.collect()
         assert mapped_fds() == daemon_fds, "client mapping still open after close and after the lease was dropped"
-        assert not [key for key in arena._mappings if key[0] == segment]
+        assert arena.mappings_of(segment) == []
     finally:
-        for key, mapping in list(arena._mappings.items()):  # undo the leak for the next tests
-            if key[0] == segment and mapping.close():
-                arena._mappings.pop(key, None)
+        for mapping in arena.mappings_of(segment):  # undo the leak for the next tests
+            mapping.close()
 
 
 def test_acquires_waiting_for_a_missing_commit_do_not_stall_other_clients(make_daemon):

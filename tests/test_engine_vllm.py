@@ -75,11 +75,11 @@ def vllm_session(tmp_path_factory):
     offline = None
     servers: dict = {}
     try:
-        offline = subprocess.Popen([sys.executable, os.path.join(HERE, "engine", "offline_vllm.py"), str(model),
-                                    str(root / "offline.npz"), str(offline_out)],
-                                   env={**os.environ, **process.engine_environment(runtime)},
-                                   stdout=open(root / "offline.log", "wb"), stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        with open(root / "offline.log", "wb") as log:  # the child keeps its own copy of the fd
+            offline = subprocess.Popen([sys.executable, os.path.join(HERE, "engine", "offline_vllm.py"), str(model),
+                                        str(root / "offline.npz"), str(offline_out)],
+                                       env={**os.environ, **process.engine_environment(runtime)},
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         servers = process.start_stock_and_ours(model, daemon.config.socket_path, runtime_dir=runtime, log_dir=root)
         assert offline.wait(600) == 0, (root / "offline.log").read_text()[-4000:]
         producer, consumer = Producer(daemon.config.socket_path), Consumer(daemon.config.socket_path)

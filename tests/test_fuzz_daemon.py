@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.daemon.registry import ObjState
-from shmtransport.errors import _TABLE, REASON_KEY, Reason, ShmTransportError
+from shmtransport.errors import REASON_KEY, Reason, ShmTransportError, status_for
 from shmtransport.objtable import COMMITTED, HELD, LOANED
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY, frame_payload, framed
@@ -101,7 +101,7 @@ def check_answer(daemon, method: str, payload: bytes, code, details: tuple[str, 
         except ValueError:
             raise AssertionError(f"{method}: untyped refusal {code} {details!r}") from None
         assert reason is not Reason.INTERNAL, f"{method}: handler raised an unexpected exception: {details!r}"
-        assert _TABLE[reason][1] == code, (reason, code)
+        assert status_for(ShmTransportError("", reason))[0] == code, (reason, code)  # the reason's own code
         return reason.value
     response = RESPONSES[method].FromString(body)
     registry = daemon.registry

@@ -173,6 +173,14 @@ def detach(mapping: ArenaMapping) -> None:
         _close_unused()
 
 
+def mappings_of(name: str) -> list[ArenaMapping]:
+    """This process's live mappings of the arena segment ``name`` (both modes), after unmapping
+    the ones nobody uses any more, as the next attach would."""
+    with _lock:
+        _close_unused()
+        return [mapping for (mapped, _), mapping in _mappings.items() if mapped == name]
+
+
 def map_dedicated(name: str, nbytes: int, writable: bool, owner_uids: frozenset[int]) -> memoryview:
     """A view of the dedicated segment ``name`` (one object, offset 0) that keeps its own mapping
     alive; the mapping goes once no view of it remains."""

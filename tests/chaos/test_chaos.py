@@ -74,17 +74,16 @@ def test_a_kill_at_a_chosen_point_is_injected_there_and_the_daemon_settles_clean
 
 def test_the_harness_reports_foreign_bytes_as_a_failure():
     """The check can fail: a worker answer of stale/foreign bytes is a failure, not a typed error."""
-    c = chaos.Chaos.__new__(chaos.Chaos)
-    c.failures, c.iterations, c.seed, c.stale_instance_refusals = [], 1, 0, 0
-    import collections
-
-    c.outcomes = collections.Counter()
-    c._note("get", ("foreign", ("IdentityMismatch", "identity_mismatch", "digest mismatch")))
-    c._note("put", ("crash", "Traceback: KeyError"))
-    c._note("get", ("silent_foreign", ("-", "-", "digest verified but the bytes differ")))
-    c._note("get", ("stale_instance", ("Unavailable", "instance_mismatch", "handle of daemon instance 'b', "
-                                                                           "connected to 'a'")))
-    assert len(c.failures) == 4 and c.stale_instance_refusals == 1
+    c = chaos.Chaos(seed=0)  # not started: only its accounting of worker answers runs
+    try:
+        c._note("get", ("foreign", ("IdentityMismatch", "identity_mismatch", "digest mismatch")))
+        c._note("put", ("crash", "Traceback: KeyError"))
+        c._note("get", ("silent_foreign", ("-", "-", "digest verified but the bytes differ")))
+        c._note("get", ("stale_instance", ("Unavailable", "instance_mismatch", "handle of daemon instance 'b', "
+                                                                               "connected to 'a'")))
+        assert len(c.failures) == 4 and c.stale_instance_refusals == 1
+    finally:
+        testing.remove_tree(c.tmp)
 
 
 ARRAY = np.arange(4096, dtype=np.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 import threading
 import warnings
 from typing import Iterable, Sequence
@@ -215,8 +216,9 @@ class _Client:
         return mapping.view(shm.offset, shm.nbytes)
 
     def _collected_unreleased(self, view: _View) -> None:
-        """A finalizer's hand-off (see ``_View.__del__``): lock-free, released by the next flush."""
-        if not self._closed:
+        """A finalizer's hand-off (see ``_View.__del__``): lock-free, released by the next flush.
+        Not while the interpreter shuts down: no RPC then, and the daemon reclaims the session."""
+        if not self._closed and not sys.is_finalizing():
             self._collected.append(view)  # keeps the view until then
             self._background.within(0.0)
 
