@@ -140,7 +140,6 @@ def test_ls_lists_every_live_object_with_its_state_owner_and_holders(make_daemon
         loan.release()
         for h in (held, waiting):
             producer.release(h)
-        del lease
 
 
 def test_ls_shows_a_handed_off_object_whose_producer_is_gone(make_daemon):

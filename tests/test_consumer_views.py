@@ -80,7 +80,6 @@ def _modify_release_then_read_reused(conn, socket_path: str, first_bytes: bytes)
         del t
         lease.release()
         consumer.flush()
-        del lease
         conn.send("released")
         if not conn.poll(TIMEOUT_S):
             raise TimeoutError("no second handle from the parent")
@@ -197,7 +196,6 @@ def test_a_live_private_tensor_keeps_the_lease_after_release(daemon, n):
         del t
         consumer.flush()
         assert daemon.stat().live_leases == 0
-        del lease
         producer.release(handle, wait=True)
 
 
@@ -444,4 +442,4 @@ def test_tensor_without_torch_says_what_to_install_and_acquire_of_a_non_handle_i
         assert lease.array.tolist() == list(range(16))  # numpy views still work
         lease.release()
         producer.release(handle)
-        del lease, info
+        del info

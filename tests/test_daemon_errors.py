@@ -43,7 +43,6 @@ def assert_still_serves(daemon) -> None:
         assert np.array_equal(lease.array, ARRAY)
         consumer.release([lease], wait=True)
         producer.release(handle, wait=True)
-        del lease
 
 
 @pytest.fixture(params=[None, 0], ids=["default_table", "no_table"])
@@ -146,7 +145,6 @@ def test_old_handle_to_reallocated_bytes_is_refused_as_stale_never_aliased(produ
     assert float(lease.array[0]) == 2.0
     consumer.release([lease], wait=True)
     producer.release(new, wait=True)
-    del lease
 
 
 def test_handle_beyond_the_arena_is_refused_as_out_of_bounds(served, producer, consumer):
@@ -255,7 +253,6 @@ def test_double_release_of_a_lease_is_refused(producer, consumer):
         consumer._call("Release", pb.ReleaseRequest(lease_ids=[lease_id]))
     raise_reason(info, StateError, Reason.DOUBLE_RELEASE)
     producer.release(handle, wait=True)
-    del lease
 
 
 def test_double_release_of_a_producer_handle_is_refused_while_the_object_lives(producer, consumer):
@@ -266,7 +263,6 @@ def test_double_release_of_a_producer_handle_is_refused_while_the_object_lives(p
         producer.release(handle, wait=True)
     raise_reason(info, StateError, Reason.DOUBLE_RELEASE)
     lease.release()
-    del lease
 
 
 def test_release_of_a_producer_handle_whose_bytes_were_freed_is_refused_as_stale(producer):
@@ -289,7 +285,7 @@ def test_release_of_another_clients_lease_is_refused_as_not_owner(served, produc
     assert served.stat().live_leases == 1
     lease.release()
     producer.release(handle, wait=True)
-    del lease, info
+    del info
 
 
 def test_a_refused_release_leaves_the_lease_usable_by_its_owner(served, producer, consumer):
@@ -302,7 +298,6 @@ def test_a_refused_release_leaves_the_lease_usable_by_its_owner(served, producer
     lease.release()
     consumer.flush()  # the owner's own release is accepted
     producer.release(handle, wait=True)
-    del lease
     assert usable, "the owner's lease was marked released by someone else's refused release"
 
 
@@ -411,7 +406,6 @@ def test_the_same_lease_twice_in_one_release_is_refused_as_invalid_argument(prod
     raise_reason(info, InvalidArgument, Reason.INVALID_ARGUMENT)
     lease.release()  # nothing was applied by the refused call
     producer.release(handle, wait=True)
-    del lease
 
 
 @pytest.mark.parametrize(

@@ -194,7 +194,6 @@ def test_consumer_views_are_read_only_and_zero_copy_over_the_arena(daemon):
             assert lease.array is view  # the same view, not a copy per access
             del view
         producer.release(handle)
-        del lease  # see test_lease_object_outliving_its_consumer_does_not_leak_the_mapping
 
 
 def test_torch_tensor_has_the_leased_bytes_and_stays_the_same_view(daemon):
@@ -261,7 +260,6 @@ def test_put_of_a_bfloat16_torch_tensor_round_trips_bit_exactly(daemon):
             assert torch.equal(lease.tensor().view(torch.int16), src.view(torch.int16))
             lease.verify()
             lease.release()
-            del lease
         finally:
             producer.release(handle)
 
@@ -328,7 +326,6 @@ def test_zero_size_tensor_round_trips_as_an_empty_array(daemon):
             problem = repr(exc)
         lease.release()
         producer.release(handle)
-        del lease
         assert problem is None, problem
 
 
@@ -342,7 +339,6 @@ def test_zero_size_tensor_is_accepted_and_freed(daemon):
         lease = consumer.acquire(handle)
         lease.release()
         producer.release(handle)
-        del lease
     assert daemon.stat().used_nbytes == 0
 
 
@@ -441,7 +437,6 @@ def test_hold_ms_keeps_a_committed_object_alive_after_producer_release_until_it_
         with consumer.acquire(handle) as lease:  # still acquirable inside the hold
             assert np.array_equal(lease.array, arr)
         consumer.flush()
-        del lease
         assert daemon.stat().live_objects == 1  # lease gone, hold still running
         wait_stat(daemon, lambda s: s.live_objects == 0 and s.used_nbytes == 0, timeout_s=3, what="hold expired")
         with pytest.raises(HandleError) as info:
@@ -503,7 +498,6 @@ def test_producer_death_does_not_pull_bytes_from_under_a_live_lease(make_daemon,
         lease.verify()
         consumer.release([lease], wait=True)
         assert daemon.stat().used_nbytes == 0
-        del lease
 
 
 @ON_BOTH_PATHS
@@ -692,7 +686,7 @@ def test_released_lease_array_raises_closed_error(daemon):
             lease.tensor()
         lease.release()  # idempotent
         producer.release(handle)
-        del lease, info
+        del info
 
 
 def test_release_with_a_live_view_is_deferred_until_the_view_is_dropped(daemon):
@@ -713,7 +707,6 @@ def test_release_with_a_live_view_is_deferred_until_the_view_is_dropped(daemon):
         del view
         consumer.stat()  # the next client call (or the client's release timer) sends it
         wait_stat(daemon, lambda s: s.live_leases == 0 and s.used_nbytes == 0, timeout_s=2, what="deferred release")
-        del lease
 
 
 def test_release_with_a_live_derived_view_is_deferred_until_the_view_is_dropped(daemon):
@@ -733,7 +726,6 @@ def test_release_with_a_live_derived_view_is_deferred_until_the_view_is_dropped(
         producer.release(again, wait=True)
         del view
         consumer.stat()
-        del lease
         assert s.live_leases == 1 and s.live_objects == 1, "lease released under a live derived view"
         assert seen == list(range(10, 20)), f"bytes changed under a live view: {seen}"
 
@@ -759,7 +751,7 @@ def test_lease_verify_passes_on_intact_bytes_and_raises_identity_mismatch_on_a_f
                 lease.verify()
             assert info.value.reason is Reason.IDENTITY_MISMATCH
         producer.release(handle)
-        del lease, info
+        del info
 
 
 def test_lease_object_outliving_its_consumer_does_not_leak_the_mapping(daemon):
@@ -779,7 +771,6 @@ def test_lease_object_outliving_its_consumer_does_not_leak_the_mapping(daemon):
         consumer.close()
         producer.release(handle, wait=True)
     try:
-        del lease  # the idiom above leaves `lease` bound until here
         gc.collect()
         assert mapped_fds() == daemon_fds, "client mapping still open after close and after the lease was dropped"
         assert arena.mappings_of(segment) == []

@@ -240,7 +240,6 @@ def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(s
         consumer.release([lease], wait=True)
         producer.release(fresh, wait=True)
         assert consumer.stat().live_objects == 0
-        del lease
 
 
 @BOTH_PATHS

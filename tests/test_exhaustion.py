@@ -88,7 +88,7 @@ with Producer(d.socket_path, timeout_s=10) as p, Consumer(d.socket_path, timeout
     data = np.random.default_rng(1).integers(0, 256, (4 << 20) - 4096, dtype=np.uint8)
     h = p.put(data, digest=True)
     lease = c.acquire(h); lease.verify(); assert np.array_equal(lease.array, data)
-    c.release([lease], wait=True); del lease
+    c.release([lease], wait=True)
     p.release(h, wait=True)
 # a second daemon cannot reserve its arena in the full /dev/shm: typed, at start
 try:
@@ -148,7 +148,6 @@ def _hammer(socket_path: str, seed: int) -> dict:
             if not np.array_equal(lease.array, data):
                 out["other"].append("foreign bytes")
             c.release([lease], wait=True)
-            del lease
             held.append((h, data))
         if held:
             p.release([h for h, _ in held], wait=True)
@@ -286,7 +285,6 @@ def _client_with_few_fds(socket_path: str, spare: int) -> str:
             lease = c.acquire(h)
             lease.verify()
             c.release([lease], wait=True)
-            del lease
             p.release(h, wait=True)
         outcome = "ok"
     except ShmTransportError as exc:

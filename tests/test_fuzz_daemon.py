@@ -163,7 +163,6 @@ def fuzz_daemon(make_daemon):
         lease.verify()
         c.release([lease], wait=True)
         p.release(h, wait=True)
-        del lease
 
 
 def assert_untouched(daemon, loan: pb.Handle, committed: pb.Handle, owner_bit: int | None) -> None:

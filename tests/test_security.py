@@ -217,7 +217,6 @@ def test_current_model_a_same_uid_client_holding_all_fields_of_a_valid_handle_ma
         lease = c.acquire(guessed)
         assert np.array_equal(lease.array, ARRAY)
         c.release([lease], wait=True)
-        del lease
         p.release(h, wait=True)
 
 
@@ -250,7 +249,6 @@ def test_a_consumers_view_is_read_only(daemon):
             arr[0] = 1
         del arr
         c.release([lease], wait=True)
-        del lease
         p.release(h, wait=True)
 
 

@@ -104,7 +104,6 @@ def test_a_consumer_idle_across_a_daemon_restart_acquires_handles_of_the_new_ins
                     lease = consumer.acquire(handle)
                     lease.verify()
                     consumer.release([lease], wait=True)
-                    del lease
                 finally:
                     producer.release(handle, wait=True)
     finally:
