@@ -152,7 +152,7 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
                     if isinstance(stop, int):
                         chunk.matched_stop.stop_token_id = stop
                     elif isinstance(stop, str):
-                        chunk.matched_stop.stop_str = stop
+                        chunk.matched_stop.stop_string = stop
                 yield chunk
         except ShmTransportError:  # some are ValueErrors: not the engine's
             raise
