@@ -18,6 +18,20 @@ from .common import ConsumerBase, ProducerBase
 PREFIX = "stbench_seg_"
 
 
+def pread_twice(fd: int, nbytes: int, name: str) -> bytearray:
+    """SMG's reader: ``pread`` the file (copy 1) into a ``bytearray`` (copy 2)."""
+    chunks = []
+    got = 0
+    while got < nbytes:  # pread may return short reads for very large files
+        chunk = os.pread(fd, nbytes - got, got)
+        if not chunk:
+            raise EOFError(f"{name}: {got} of {nbytes} bytes")
+        chunks.append(chunk)
+        got += len(chunk)
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return bytearray(raw)
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
         written = os.write(fd, data)
@@ -63,19 +77,9 @@ class Consumer(ConsumerBase):
         name, nbytes = descriptor
         self._path, fd = open_segment(name, PREFIX)
         try:
-            chunks = []
-            got = 0
-            while got < nbytes:  # pread may return short reads for very large files
-                chunk = os.pread(fd, nbytes - got, got)
-                if not chunk:
-                    raise EOFError(f"{name}: {got} of {nbytes} bytes")
-                chunks.append(chunk)
-                got += len(chunk)
+            buf = pread_twice(fd, nbytes, name)
         finally:
             os.close(fd)
-        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        buf = bytearray(raw)  # SMG's second copy
-        del raw, chunks
         return np.frombuffer(buf, dtype=np.uint8)
 
     def release(self) -> None:

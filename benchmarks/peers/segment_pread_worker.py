@@ -22,7 +22,8 @@ import threading
 if not __package__:  # run as a script: the peers package is beside this file's directory
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from peers.segment_pread import PREFIX
+from peers._segments import open_segment
+from peers.segment_pread import PREFIX, pread_twice
 
 INGEST = "segment-pread"
 SCRIPT = pathlib.Path(__file__).resolve()
@@ -70,24 +71,17 @@ def _pread_segment(name: str, nbytes: int, dtype: str, shape):
     from shmtransport.errors import InvalidArgument
     from shmtransport.tensors import DTYPES
 
-    if "/" in name or not name.startswith(PREFIX):
-        raise InvalidArgument(f"refusing segment name {name!r}")
-    path = os.path.join("/dev/shm", name)
-    fd = os.open(path, os.O_RDONLY)
     try:
-        chunks, got = [], 0
-        while got < nbytes:  # pread may return short reads for very large files
-            chunk = os.pread(fd, nbytes - got, got)
-            if not chunk:
-                raise InvalidArgument(f"{name}: {got} of {nbytes} bytes")
-            chunks.append(chunk)
-            got += len(chunk)
+        path, fd = open_segment(name, PREFIX)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    try:
+        buf = pread_twice(fd, nbytes, name)
+    except EOFError as exc:
+        raise InvalidArgument(str(exc)) from None
     finally:
         os.close(fd)
         os.unlink(path)
-    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    buf = bytearray(raw)  # SMG's second copy
-    del raw, chunks
     return np.frombuffer(buf, dtype=DTYPES[dtype]).reshape(shape)
 
 
