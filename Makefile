@@ -31,8 +31,10 @@ demo: setup
 
 test: setup lint test-c test-python
 
+# ruff on the whole tree; mypy --strict on the package (pyproject [tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check src tests tools benchmarks examples
+	$(PY) -m mypy
 
 # SHMTRANSPORT_REQUIRE_EXTRAS: here every optional package is installed, so a test skipped for want
 # of one is a failure (in the fresh venvs of test-dist such tests skip).

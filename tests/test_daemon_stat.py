@@ -4,7 +4,7 @@ objects (that walk made Stat O(live objects) under the registry lock).
 A seeded random walk over the registry's operations (arena and dedicated loans, Commit, Acquire
 with and without commit tokens, releases of references and leases - plain and piggybacked -,
 producer death, TTL expiry of leases and holds), refused operations included: after every step
-each session's counters equal a brute-force recomputation from every live allocation.
+each session's counters equal a recount of every live object that List reports.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import time
 import pytest
 
 from shmtransport.allocator import Allocator
-from shmtransport.daemon.registry import ObjState, Registry, TenantLimits
+from shmtransport.daemon.records import TenantLimits
+from shmtransport.daemon.registry import Registry
 from shmtransport.errors import ShmTransportError
 from shmtransport.shm_names import new_instance_id
 from shmtransport.testing import unique_prefix
@@ -44,6 +45,7 @@ class Walk:
         self.loans: list[tuple[str, pb.Handle, bytes]] = []  # (producer session, handle, commit token)
         self.leases: list[tuple[str, int]] = []  # (consumer session, lease id)
         self.sessions: list[str] = []
+        self.remote_sessions: frozenset[str] = frozenset()
         self.opened = 0
         self.succeeded: collections.Counter[str] = collections.Counter()  # operation name -> count
         for _ in range(SESSIONS):
@@ -53,7 +55,10 @@ class Walk:
         session_id = f"s{self.opened}"
         self.opened += 1
         # A third of the sessions stand for remote peers, whose expired leases are reclaimed, not quarantined.
-        self.registry.open_session(session_id, pid=1000 + self.opened, uid=0, quarantine_expired=self.opened % 3 != 0)
+        remote = self.opened % 3 == 0
+        self.registry.open_session(session_id, pid=1000 + self.opened, uid=0, quarantine_expired=not remote)
+        if remote:
+            self.remote_sessions |= {session_id}
         self.sessions.append(session_id)
 
     def step(self) -> None:
@@ -128,14 +133,14 @@ class Walk:
         self.registry.unlink_dedicated()  # only reached with a leak, which the caller then reports
 
 
-def brute_force_nbytes(registry: Registry) -> dict[str, tuple[int, int]]:
-    """Per live session: (loaned, committed) bytes it holds producer references to, recomputed
-    from every live allocation."""
-    nbytes = {session_id: [0, 0] for session_id in registry._sessions}
-    for obj in registry._objects.values():
-        if obj.producer_ref:
-            assert obj.owner in nbytes, f"allocation {obj.key} referenced by a closed session"
-            nbytes[obj.owner][obj.state is ObjState.COMMITTED] += obj.nbytes
+def recounted_nbytes(listing: pb.ListResponse) -> dict[str, tuple[int, int]]:
+    """Per live session: (loaned, committed) bytes it holds producer references to, recounted
+    from every live object that List reports."""
+    nbytes = {c.session_id: [0, 0] for c in listing.clients}
+    for obj in listing.objects:
+        if obj.producer_held:
+            assert obj.owner_session in nbytes, f"object {obj.generation} referenced by a closed session"
+            nbytes[obj.owner_session][obj.state != "loaned"] += obj.nbytes
     return {session_id: (loaned, committed) for session_id, (loaned, committed) in nbytes.items()}
 
 
@@ -144,20 +149,21 @@ def reported_nbytes(registry: Registry) -> dict[str, tuple[int, int]]:
     return {c.session_id: (c.loaned_nbytes, c.committed_nbytes) for c in registry.stat().clients}
 
 
-def check_counters(registry: Registry) -> None:
-    expected = brute_force_nbytes(registry)
-    assert reported_nbytes(registry) == expected
-    for session_id, session in registry._sessions.items():
-        assert session.owned_nbytes == sum(expected[session_id])
-        referenced = {key for key, obj in registry._objects.items() if obj.producer_ref and obj.owner == session_id}
-        assert session.producer_refs == referenced
-    dedicated = sum(obj.nbytes for obj in registry._objects.values() if obj.segment is not None)
+def check_counters(registry: Registry, remote_sessions: frozenset[str] = frozenset()) -> None:
+    """Stat's counters equal a recount of List's objects (two public views of one book)."""
+    listing, stat = registry.list_objects(), registry.stat()
+    objects = listing.objects
+    assert listing.total_objects == len(objects) == stat.live_objects
+    assert reported_nbytes(registry) == recounted_nbytes(listing)
+    assert stat.live_leases == sum(len(obj.holder_sessions) for obj in objects)
+    dedicated = sum(obj.nbytes for obj in objects if obj.segment_name)
+    assert stat.dedicated_nbytes == dedicated
     assert registry.used_nbytes == registry.allocator.used_nbytes + dedicated
-    quarantined = [lease for lease in registry._leases.values() if lease.quarantined]
-    stat = registry.stat()
-    assert stat.quarantined_leases == len(quarantined) and stat.dedicated_nbytes == dedicated
-    assert stat.quarantined_nbytes == sum(registry._objects[lease.key].nbytes for lease in quarantined)
-    assert all(registry._sessions[lease.session_id].quarantine_expired for lease in quarantined)
+    assert stat.quarantined_leases == sum(obj.quarantined_leases for obj in objects)
+    assert stat.quarantined_nbytes == sum(obj.nbytes * obj.quarantined_leases for obj in objects)
+    for obj in objects:  # remote peers' expired leases are reclaimed, never quarantined
+        local_holders = [s for s in obj.holder_sessions if s not in remote_sessions]
+        assert obj.quarantined_leases <= len(local_holders), obj
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -166,9 +172,9 @@ def test_stat_byte_counts_equal_a_recount_of_live_allocations_after_every_random
     try:
         for _ in range(STEPS):
             walk.step()
-            check_counters(walk.registry)
+            check_counters(walk.registry, walk.remote_sessions)
         walk.registry.expire(now=time.monotonic() + 100 * MAX_TTL_MS / 1000)  # every lease left expires
-        check_counters(walk.registry)
+        check_counters(walk.registry, walk.remote_sessions)
         reclaimed = walk.registry.counters
         assert set(walk.succeeded) == {"loan", "commit", "acquire", "release_refs", "release_leases", "die", "expire"}
         assert reclaimed["reclaimed_ttl_leases"] + reclaimed["quarantined_leases_total"], "no lease expired"
@@ -176,7 +182,7 @@ def test_stat_byte_counts_equal_a_recount_of_live_allocations_after_every_random
         assert reclaimed["dedicated_total"], "the walk made no dedicated loan"
     finally:
         walk.close()
-    assert not walk.registry._objects and walk.registry.allocator.used_nbytes == 0
+    assert walk.registry.stat().live_objects == 0 and walk.registry.allocator.used_nbytes == 0
     assert walk.registry.dedicated_names() == []
 
 

@@ -25,7 +25,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmtransport.client import Consumer, Handle, Producer
-from shmtransport.daemon.registry import ObjState
 from shmtransport.errors import REASON_KEY, Reason, ShmTransportError, status_for
 from shmtransport.objtable import COMMITTED, HELD, LOANED
 from shmtransport.v1 import daemon_pb2 as pb
@@ -125,9 +124,9 @@ def check_answer(daemon, method: str, payload: bytes, code, details: tuple[str, 
                 assert slot["state"] in (COMMITTED, HELD) and slot["holders"] != 0
                 assert h.name == daemon.segment_names[0] and h.offset + h.nbytes <= ARENA
                 continue
-            obj = registry._objects.get(h.offset)
+            obj = arena_objects(daemon).get(h.offset)
             assert obj is not None and obj.generation == h.generation and obj.nbytes == h.nbytes, h
-            assert obj.state is ObjState.COMMITTED
+            assert obj.state in ("committed", "held")
             assert h.offset + h.nbytes <= ARENA
     return "ok"
 
@@ -147,7 +146,7 @@ def _grpc_deserialization_state():
         session.close()
     finally:
         testing.stop_daemon(daemon)
-    testing._keepalive.append(daemon)
+    testing.daemons.keep_alive(daemon)
     yield
 
 
@@ -176,10 +175,16 @@ def assert_untouched(daemon, loan: pb.Handle, committed: pb.Handle, owner_bit: i
             assert int(slot["holders"]) >> owner_bit & 1, f"victim's reference in slot {h.slot} was released"
         assert table[loan.slot - 1]["state"] == LOANED, "victim's loan was committed by someone else"
         return
-    objs = daemon.registry._objects
+    objs = arena_objects(daemon)
     assert loan.offset in objs and objs[loan.offset].generation == loan.generation, "victim's loan was freed"
-    assert objs[loan.offset].state is ObjState.LOANED, "victim's loan was committed by someone else"
-    assert objs[committed.offset].producer_ref, "victim's producer reference was released by someone else"
+    assert objs[loan.offset].state == "loaned", "victim's loan was committed by someone else"
+    assert objs[committed.offset].producer_held, "victim's producer reference was released by someone else"
+
+
+def arena_objects(daemon) -> dict[int, pb.ObjectInfo]:
+    """The RPC registry's live arena objects by offset, as List reports them."""
+    listing = daemon.registry.list_objects()
+    return {obj.offset: obj for obj in listing.objects if not obj.slot and not obj.segment_name}
 
 
 @dataclasses.dataclass

@@ -1,7 +1,9 @@
 """End to end on one node without transformers: frontend (this process) -> shmtransportd (child
 process) -> worker server (child process, ``shmtransport worker``), with synthetic tensors of the
-processors' shapes. Every blocking call has a timeout (the frontend's gRPC deadline, wait_until,
-process waits)."""
+processors' shapes. The tests that need a request caught while the worker holds its leases (a
+deadline, a worker or frontend killed mid-request) use ``holding_worker.py`` instead: the same
+worker with a lease hold plugged in, which a request asks for with metadata ``HOLD_KEY``. Every
+blocking call has a timeout (the frontend's gRPC deadline, wait_until, process waits)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +12,10 @@ import subprocess
 import sys
 import threading
 
+import holding_worker
 import numpy as np
 import pytest
+from holding_worker import HOLD_KEY
 
 from shmtransport import BACKEND, testing
 from shmtransport.client import Consumer, Producer
@@ -21,7 +25,7 @@ from shmtransport.frontend.generate import Frontend, Item, WorkerUnavailable
 from shmtransport.frontend.media import synthetic_features
 from shmtransport.frontend.request import DEFAULT_INLINE, NO_INLINE
 from shmtransport.protocol.limits import DEFAULT_LIMITS
-from shmtransport.protocol.spec import DEBUG_HOLD_KEY, INGEST_KEY
+from shmtransport.protocol.spec import INGEST_KEY
 from shmtransport.v1 import generate_pb2 as gpb
 from shmtransport.worker.process import WorkerProcess, start_daemon_process, stop_process
 
@@ -40,9 +44,11 @@ class Stack:
         self.daemon = start_daemon_process(self.daemon_socket, 256 << 20, prefix)
         self.worker = self.start_worker("w.sock")
 
-    def start_worker(self, name: str) -> WorkerProcess:
+    def start_worker(self, name: str, *, holding: bool = False) -> WorkerProcess:
+        """``shmtransport worker``; ``holding``: ``holding_worker.py`` (the same worker with the lease hold)."""
+        entry = holding_worker.ENTRY if holding else ("-m", "shmtransport", "worker")
         return WorkerProcess(os.path.join(self.tmp, name), self.daemon_socket, device="cpu",
-                             max_inline_bytes=INLINE_CAP, extra_args=("--debug-hooks", "--torch-threads", "1"))
+                             max_inline_bytes=INLINE_CAP, entry=entry, extra_args=("--torch-threads", "1"))
 
     def stat(self):
         with Consumer(self.daemon_socket, timeout_s=5) as c:
@@ -64,6 +70,14 @@ def stack():
     yield s
     s.close()
     assert not testing.segments_of(s.prefix)
+
+
+@pytest.fixture(scope="module")
+def holding(stack):
+    """A worker that holds a request's leases when it asks (``HOLD_KEY``), on the stack's daemon."""
+    worker = stack.start_worker("hw.sock", holding=True)
+    yield worker
+    worker.stop()
 
 
 @pytest.fixture
@@ -181,18 +195,24 @@ def test_lora_scoped_request(stack, fe):
     assert stack.settled()
 
 
-def test_cancel_mid_stream_releases_leases(stack, fe):
+def test_cancel_mid_stream_releases_leases(stack, holding, fe):
     out = fe.generate(kind_items("image-large"), sampling=SAMPLING,
                       stopping={"max_tokens": 500, "ignore_eos": True}, cancel_after=2)
     assert out.cancelled and len(out.token_ids) == 2
     s = stack.settled()
     assert s.live_leases == 0 and s.live_objects == 0
-    # the client gives up (deadline) while the worker still holds the leases (debug hold): released too
-    with Frontend(stack.worker.address, fe.producer, timeout_s=1.0, limits=LIMITS) as short:
+    # the client gives up (deadline) while the worker still holds the leases (the hold): released too
+    with Frontend(holding.address, fe.producer, timeout_s=1.0, limits=LIMITS) as short:
         with pytest.raises(DeadlineExceeded):
-            short.generate(kind_items("image"), metadata=((DEBUG_HOLD_KEY, "20000"),))
+            short.generate(kind_items("image"), metadata=((HOLD_KEY, "20000"),))
     assert stack.settled().live_leases == 0
-    assert fe.generate(kind_items("image"), stopping={"max_tokens": 2}).token_ids  # the worker still serves
+    with Frontend(holding.address, fe.producer, timeout_s=TIMEOUT_S, limits=LIMITS) as again:
+        assert again.generate(kind_items("image"), stopping={"max_tokens": 2}).token_ids  # it still serves
+    # the shipped worker has no hold: the same request is simply served
+    with Frontend(stack.worker.address, fe.producer, timeout_s=5.0, limits=LIMITS) as short:
+        assert short.generate(kind_items("image"), stopping={"max_tokens": 2},
+                              metadata=((HOLD_KEY, "20000"),)).token_ids
+    assert stack.settled()
 
 
 def test_malformed_requests_rejected(stack, fe):
@@ -222,14 +242,14 @@ def test_malformed_requests_rejected(stack, fe):
 
 def test_worker_sigkill_mid_request(stack):
     """The worker dies holding leases: the frontend gets WorkerUnavailable, the daemon reclaims."""
-    worker = stack.start_worker("w2.sock")
+    worker = stack.start_worker("w2.sock", holding=True)
     result = {}
     try:
         with Producer(stack.daemon_socket, timeout_s=TIMEOUT_S) as producer, \
                 Frontend(worker.address, producer, timeout_s=TIMEOUT_S, limits=LIMITS) as fe:
             def run():
                 try:
-                    fe.generate(kind_items("image-large"), metadata=((DEBUG_HOLD_KEY, "20000"),))
+                    fe.generate(kind_items("image-large"), metadata=((HOLD_KEY, "20000"),))
                 except Exception as exc:  # noqa: BLE001
                     result["exc"] = exc
 
@@ -256,14 +276,14 @@ def _frontend_child(conn, daemon_socket: str, address: str) -> None:
     fe = Frontend(address, producer, timeout_s=TIMEOUT_S)
     conn.send("ready")
     fe.generate([Item("image", synthetic_features("image", grid=(1, 58, 86)))],
-                metadata=((DEBUG_HOLD_KEY, "20000"),))
+                metadata=((HOLD_KEY, "20000"),))
     conn.send("finished")  # never reached: killed while the worker holds the leases
 
 
-def test_frontend_sigkill_mid_request(stack):
+def test_frontend_sigkill_mid_request(stack, holding):
     """The frontend dies mid-request: the worker sees the disconnect and releases its leases, the
     daemon reclaims the frontend's objects, and the worker keeps serving."""
-    child = testing.BlockingChild(_frontend_child, stack.daemon_socket, stack.worker.address)
+    child = testing.BlockingChild(_frontend_child, stack.daemon_socket, holding.address)
     try:
         assert child.recv(TIMEOUT_S) == "ready"
         testing.wait_until(lambda: stack.stat().live_leases >= 1, timeout_s=15, what="worker holds leases")
@@ -273,7 +293,7 @@ def test_frontend_sigkill_mid_request(stack):
     s = stack.settled()
     assert s.live_leases == 0 and s.live_objects == 0
     with Producer(stack.daemon_socket, timeout_s=TIMEOUT_S) as producer, \
-            Frontend(stack.worker.address, producer, timeout_s=TIMEOUT_S) as fe:
+            Frontend(holding.address, producer, timeout_s=TIMEOUT_S) as fe:
         assert fe.generate(kind_items("image"), stopping={"max_tokens": 2}).token_ids
     assert stack.settled()
 

@@ -374,9 +374,8 @@ def test_a_commit_wakes_only_the_acquires_waiting_for_its_objects(make_daemon):
         threads = [threading.Thread(target=lambda: errors.append(_acquire_error(waiter, handles))) for _ in range(4)]
         for thread in threads:
             thread.start()
-        wait_until(lambda: len(registry._commit_waiters) == 1000
-                   and all(len(w) == 4 for w in list(registry._commit_waiters.values())),
-                   timeout_s=5, what="acquires waiting")
+        # An Acquire is counted as waiting once it has registered for every object it names.
+        wait_until(lambda: daemon.stat().waiting_calls == 4, timeout_s=5, what="acquires waiting")
         resolved = _count_calls(registry, "_resolve")
         for _ in range(20):
             h = producer.put(np.zeros(64, np.uint8))

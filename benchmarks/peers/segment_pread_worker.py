@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import signal
 import sys
-import threading
 
 if not __package__:  # run as a script: the peers package is beside this file's directory
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -105,17 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = DEFAULT_LIMITS
     if args.max_inline_bytes is not None:
         limits = dataclasses.replace(limits, max_inline_bytes=args.max_inline_bytes)
-    address = f"unix:{args.socket}"
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    server = WorkerServer(address, args.daemon_socket, device=args.device, limits=limits, ingests={INGEST: ingest})
-    server.start()
-    print(f"segment_pread worker ready: {address} device {server.service.device} pid {os.getpid()}", flush=True)
-    try:
-        stop.wait()
-    finally:
-        server.stop()
+    WorkerServer(f"unix:{args.socket}", args.daemon_socket, device=args.device, limits=limits,
+                 ingests={INGEST: ingest}).serve_until_signalled("segment_pread worker")
     return 0
 
 

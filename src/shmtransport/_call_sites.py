@@ -15,20 +15,21 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 
 enabled = False
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _lock = threading.Lock()  # record() runs in any client thread
 _seq = itertools.count(1)
-_sites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # view -> (seq, call site)
+_sites: weakref.WeakKeyDictionary[object, tuple[int, str]] = weakref.WeakKeyDictionary()  # view -> (seq, call site)
 _on_behalf = threading.local()  # .site: the call site views made in this thread are attributed to
 
 
 def caller() -> str:
     """``file:line in function`` of the innermost frame outside the shmtransport package (or
     the site this thread works for, inside ``attributed_to``)."""
-    site = getattr(_on_behalf, "site", None)
+    site: str | None = getattr(_on_behalf, "site", None)
     if site is not None:
         return site
     frame = sys._getframe(1)
@@ -38,7 +39,7 @@ def caller() -> str:
 
 
 @contextlib.contextmanager
-def attributed_to(site: str | None):
+def attributed_to(site: str | None) -> Iterator[None]:
     """Views created in this thread meanwhile are recorded at ``site`` (None: their own stack)."""
     before, _on_behalf.site = getattr(_on_behalf, "site", None), site
     try:

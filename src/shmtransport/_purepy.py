@@ -83,12 +83,12 @@ def _check_threads(threads: Any) -> int | None:
     if isinstance(threads, bool):
         raise InvalidType("threads must be an int or None")
     try:
-        threads = operator.index(threads)
+        count = operator.index(threads)
     except TypeError:
         raise InvalidType(f"threads must be an int or None, got {type(threads).__name__}") from None
-    if threads < 1:
-        raise InvalidArgument(f"threads must be >= 1, got {threads}")
-    return threads
+    if count < 1:
+        raise InvalidArgument(f"threads must be >= 1, got {count}")
+    return count
 
 
 def _check_int(value: Any, name: str) -> int:

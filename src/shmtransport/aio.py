@@ -22,12 +22,14 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, Generic, TypeVar
 
 from . import _call_sites
 from .client import Consumer, Handle, Lease, Loan, Producer
 from .client.session import _Client
 from .errors import ClosedError, InvalidArgument, ShmTransportError, Unavailable
+from .v1 import daemon_pb2 as pb
 
 __all__ = ["AsyncConsumer", "AsyncProducer"]
 
@@ -35,6 +37,8 @@ _log = logging.getLogger("shmtransport.aio")
 
 DEFAULT_WORKER_THREADS = 4
 _T = TypeVar("_T")
+_C = TypeVar("_C", bound=_Client)  # the sync client
+_A = TypeVar("_A", bound="_AsyncClient[Any]")
 
 
 class _Handover:
@@ -75,11 +79,11 @@ def _undo(undo: Callable[[Any], None], result: Any) -> None:
         _log.exception("could not release what a cancelled call returned")
 
 
-class _AsyncClient:
+class _AsyncClient(Generic[_C]):
     """Shared by AsyncProducer and AsyncConsumer: the worker threads, the lazy connection,
     cancellation and close."""
 
-    def __init__(self, socket_path: str | None, options: dict[str, Any], worker_threads: int):
+    def __init__(self, socket_path: str | None, options: dict[str, Any], worker_threads: int) -> None:
         if worker_threads < 1:
             raise InvalidArgument(f"worker_threads must be at least 1, got {worker_threads}")
         self._socket_path = socket_path
@@ -87,14 +91,14 @@ class _AsyncClient:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             worker_threads, thread_name_prefix=f"shmtransport.{type(self).__name__}")
         self._connect_lock = threading.Lock()  # concurrent first calls make one session
-        self._client: _Client | None = None
+        self._client: _C | None = None
         self._closed = False
-        self._closing: asyncio.Future | None = None
+        self._closing: asyncio.Future[None] | None = None
         self._running = 0  # calls not yet settled: returned, raised, or their result handed to an undo
         self._settled = asyncio.Event()
         self._settled.set()
 
-    def _connect(self) -> _Client:
+    def _connect(self) -> _C:
         raise NotImplementedError
 
     @property
@@ -107,19 +111,19 @@ class _AsyncClient:
         """The daemon instance this client is connected to; empty before it connects."""
         return self._client.instance_id if self._client is not None else ""
 
-    async def connect(self):
+    async def connect(self: _A) -> _A:
         """Connect now (the session handshake, in a worker thread) rather than at the first call;
         returns this client. Raises Unavailable (no daemon, or not the expected uid),
         ResourceExhausted (too few file descriptors), ClosedError."""
         await self._run(lambda client: None)
         return self
 
-    async def stat(self):
+    async def stat(self) -> pb.StatResponse:
         """The daemon's counters, as ``Producer.stat`` (``shmtransport.v1.StatResponse``);
         queued releases are sent first. Raises Unavailable, ClosedError."""
         return await self._run(lambda client: client.stat())
 
-    async def list_objects(self, *, limit: int = 0):
+    async def list_objects(self, *, limit: int = 0) -> pb.ListResponse:
         """Every live object of this client's tenant, largest first (at most ``limit``; 0: the
         daemon's cap), as ``Producer.list_objects``. Raises Unavailable, ClosedError."""
         return await self._run(lambda client: client.list_objects(limit=limit))
@@ -151,7 +155,7 @@ class _AsyncClient:
         if self._client is not None:
             self._client.close()
 
-    async def _run(self, call: Callable[[_Client], _T], undo: Callable[[_T], None] | None = None, *,
+    async def _run(self, call: Callable[[_C], _T], undo: Callable[[_T], None] | None = None, *,
                    droppable: bool = True) -> _T:
         """``call(sync client)`` in a worker thread; its result or its exception. If the awaiting
         task is cancelled, a call no worker took yet is dropped (unless not ``droppable``: a
@@ -177,7 +181,7 @@ class _AsyncClient:
             if not self._running:
                 self._settled.set()
 
-    def _call_in_worker(self, call: Callable[[_Client], _T], undo: Callable[[_T], None] | None,
+    def _call_in_worker(self, call: Callable[[_C], _T], undo: Callable[[_T], None] | None,
                         handover: _Handover, site: str | None) -> _T:
         with _call_sites.attributed_to(site):
             result = call(self._connected())
@@ -185,21 +189,22 @@ class _AsyncClient:
             _undo(undo, result)  # the task was cancelled while the call ran
         return result
 
-    def _connected(self) -> _Client:
+    def _connected(self) -> _C:
         """The sync client, connecting it on first use (worker thread)."""
         with self._connect_lock:
             if self._client is None:
                 self._client = self._connect()
             return self._client
 
-    async def __aenter__(self):
+    async def __aenter__(self: _A) -> _A:
         try:
             return await self.connect()
         except BaseException:
             await self.close()
             raise
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
         if exc_type is None:
             await self.close()
             return
@@ -213,7 +218,7 @@ class _AsyncClient:
         return f"{type(self).__name__}({self._socket_path!r}, {state})"
 
 
-class AsyncProducer(_AsyncClient):
+class AsyncProducer(_AsyncClient[Producer]):
     """The frontend's side for asyncio code: ``await`` the calls of ``Producer`` (``loan``,
     ``put``, ``commit``, ``release``...); an async context manager that closes the session.
     Returns the sync ``Loan`` and ``Handle`` objects."""
@@ -228,7 +233,7 @@ class AsyncProducer(_AsyncClient):
         copy_threads: int | None = None,
         daemon_uid: int | None = None,
         worker_threads: int = DEFAULT_WORKER_THREADS,
-    ):
+    ) -> None:
         """No I/O: the session starts at ``connect()``, ``async with`` or the first call. The
         options are ``Producer``'s (``timeout_s``, ``release_delay_s``, ``alloc_wait_s`` in
         seconds); ``worker_threads``: how many calls of this client run at once (more wait
@@ -270,7 +275,7 @@ class AsyncProducer(_AsyncClient):
         tensors = list(tensors)
         return await self._run(
             lambda client: client.put_many(tensors, digest=digest, hold_ms=hold_ms, dedicated=dedicated),
-            lambda handles: self._client.release(handles))
+            lambda handles: self._connected().release(handles))
 
     async def commit(self, loan: Loan, *, digest: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
         """``loan.commit(...)`` in a worker thread (a digest hashes the bytes; ``wait`` waits
@@ -297,7 +302,7 @@ class AsyncProducer(_AsyncClient):
         await self._run(lambda client: client.release(handles, wait=wait), droppable=False)
 
 
-class AsyncConsumer(_AsyncClient):
+class AsyncConsumer(_AsyncClient[Consumer]):
     """The worker's side for asyncio code: ``await`` the calls of ``Consumer`` (``acquire``,
     ``release``...); an async context manager that closes the session. Returns the sync
     ``Lease`` objects."""
@@ -310,7 +315,7 @@ class AsyncConsumer(_AsyncClient):
         release_delay_s: float = 0.02,
         daemon_uid: int | None = None,
         worker_threads: int = DEFAULT_WORKER_THREADS,
-    ):
+    ) -> None:
         """No I/O: the session starts at ``connect()``, ``async with`` or the first call. The
         options are ``Consumer``'s (``timeout_s``, ``release_delay_s`` in seconds);
         ``worker_threads``: how many calls of this client run at once. Raises InvalidArgument

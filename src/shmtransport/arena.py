@@ -62,13 +62,12 @@ class _SharedMap(mmap.mmap):
     """A MAP_SHARED mapping that keeps its segment's fd (read-only ones) for ``private_view``."""
 
     fd: int | None = None
+    _close_fd: weakref.finalize | None = None  # set when an fd is kept: closes it at close or collection
 
     def close(self) -> None:
         super().close()  # BufferError while a view is alive: the fd stays too
-        self._close_fd()
-
-    def _close_fd(self) -> None:
-        """Replaced per instance by a finalizer when an fd is kept (closed at close or collection)."""
+        if self._close_fd is not None:
+            self._close_fd()
 
 
 class ArenaMapping:
@@ -96,8 +95,9 @@ class ArenaMapping:
             os.close(fd)  # a producer writes the shared bytes themselves: no private windows
         else:
             self._mmap.fd = fd
-            self._mmap._close_fd = weakref.finalize(self._mmap, os.close, fd)
-            self._mmap._close_fd.atexit = False
+            close_fd = weakref.finalize(self._mmap, os.close, fd)
+            close_fd.atexit = False
+            self._mmap._close_fd = close_fd
 
     @property
     def closed(self) -> bool:

@@ -11,11 +11,19 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from . import BACKEND, __version__
 from .daemon.config import DaemonConfig
 from .errors import ShmTransportError
 from .wire import default_socket_path
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+    from google.protobuf.message import Message
+
+    from .remote.daemon_ext import RemoteInstall
+    from .v1 import daemon_pb2 as pb
 
 # sun_path is 108 bytes on Linux, the terminating NUL included.
 _MAX_SOCKET_PATH_NBYTES = 107
@@ -24,7 +32,7 @@ _MAX_SOCKET_PATH_NBYTES = 107
 class _Parser(argparse.ArgumentParser):
     """A mistake on the command line is one line on stderr and exit status 2 (no usage dump)."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -77,7 +85,7 @@ def _host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _remote_extensions(args: argparse.Namespace) -> list:
+def _remote_extensions(args: argparse.Namespace) -> list[RemoteInstall]:
     """The remote tier (NIXL) when ``--remote`` is given; its options are checked before the
     daemon starts (the secret is read from a file or the environment, never from argv, which
     every local user can read in ``ps``)."""
@@ -152,13 +160,13 @@ def _run_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
-def _to_json(message) -> str:
+def _to_json(message: Message) -> str:
     from google.protobuf.json_format import MessageToJson
 
     return MessageToJson(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def _without_session(clients, session_id: str) -> None:
+def _without_session(clients: RepeatedCompositeFieldContainer[pb.ClientStat], session_id: str) -> None:
     """Drop the CLI's own session from a reply's client list: it is not one of the daemon's users."""
     for i in reversed(range(len(clients))):
         if clients[i].session_id == session_id:
@@ -204,7 +212,7 @@ def _run_stat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _state_of(info) -> str:
+def _state_of(info: pb.ObjectInfo) -> str:
     return "handoff" if info.handoff and info.state == "committed" else info.state
 
 
@@ -249,7 +257,9 @@ def _run_health(args: argparse.Namespace) -> int:
     report = {"socket": args.socket, "status": "unhealthy"}
     try:
         with grpc.insecure_channel(f"unix:{args.socket}") as channel:
-            check = health_pb2_grpc.HealthStub(channel).Check(
+            stub = health_pb2_grpc.HealthStub(channel)
+            # grpc_health-stubs declare no methods on HealthStub (the generated __init__ sets them)
+            check: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service="shmtransport.v1.Daemon"), timeout=args.timeout_s)
         if check.status != health_pb2.HealthCheckResponse.SERVING:
             raise ShmTransportError("the daemon reports "
@@ -289,18 +299,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)
     address = args.address or f"unix:{args.socket}"
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    server = WorkerServer(address, args.daemon_socket, device=args.device, verify=args.verify, limits=limits,
-                          host_register=not args.no_host_register, max_workers=args.max_workers,
-                          debug_hooks=args.debug_hooks)
-    server.start()
-    print(f"shmtransport worker ready: {address} device {server.service.device} pid {os.getpid()}", flush=True)
-    try:
-        stop.wait()
-    finally:
-        server.stop()
+    WorkerServer(address, args.daemon_socket, device=args.device, verify=args.verify, limits=limits,
+                 host_register=not args.no_host_register, max_workers=args.max_workers).serve_until_signalled()
     return 0
 
 
@@ -388,7 +388,6 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-workers", type=int, default=4, help="gRPC handler threads")
     w.add_argument("--torch-threads", type=int, default=None)
     w.add_argument("--no-host-register", action="store_true", help="do not cudaHostRegister the arena")
-    w.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)  # tests: x-shmt-debug-hold-ms
     w.add_argument("--log-level", default="WARNING")
     w.set_defaults(func=_run_worker)
     return parser
@@ -402,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         return vllm_worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return run(args)
     except ShmTransportError as exc:
         print(f"shmtransport: {exc}", file=sys.stderr)
         return 1

@@ -40,20 +40,20 @@ class EmbedMask:
     __slots__ = ("_packed", "_nbits", "_num_embeds")
 
     def __init__(self, packed: Any, nbits: Any):
-        nbits = _int(nbits, "nbits")
-        if nbits < 0:
-            raise InvalidArgument(f"nbits must be >= 0, got {nbits}")
+        count = _int(nbits, "nbits")
+        if count < 0:
+            raise InvalidArgument(f"nbits must be >= 0, got {count}")
         try:
             raw = bytearray(memoryview(packed).cast("B"))
         except TypeError:
             raise InvalidArgument(f"packed must be a bytes-like buffer, got {type(packed).__name__}") from None
-        needed = (nbits + 7) // 8
+        needed = (count + 7) // 8
         if len(raw) != needed:
-            raise InvalidArgument(f"packed has {len(raw)} bytes but nbits={nbits} needs exactly {needed}")
-        if nbits % 8:
-            raw[-1] &= (0xFF << (8 - nbits % 8)) & 0xFF
+            raise InvalidArgument(f"packed has {len(raw)} bytes but nbits={count} needs exactly {needed}")
+        if count % 8:
+            raw[-1] &= (0xFF << (8 - count % 8)) & 0xFF
         self._packed = bytes(raw)
-        self._nbits = nbits
+        self._nbits = count
         self._num_embeds: int | None = None
 
     @classmethod

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import grpc
 
@@ -34,8 +36,20 @@ _KINDS = (
 # a new one per call, they are wrapped per call.
 _MAX_CACHED = 256
 
+_Req = TypeVar("_Req")  # a request message, or an iterator of them (a streaming request)
+_Resp = TypeVar("_Resp")
+if TYPE_CHECKING:
+    from typing import TypeAlias
 
-def _status(exc: Exception, context, method: str) -> tuple[grpc.StatusCode, str, tuple]:
+    _Metadata: TypeAlias = tuple[tuple[str, str | bytes], ...]
+    _AioContext: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+    _Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    # A handler's behavior (the servicer's method) -> the same behavior behind the boundary.
+    _Wrapper: TypeAlias = staticmethod[[Callable[..., Any], str], Callable[..., Any]]
+
+
+def _status(exc: Exception, context: grpc.ServicerContext | _AioContext,
+            method: str) -> tuple[grpc.StatusCode, str, _Metadata]:
     """Code, details and trailing metadata (the handler's own kept) answering ``exc``."""
     if isinstance(exc, ShmTransportError):
         code, details, carried = status_for(exc)
@@ -47,13 +61,14 @@ def _status(exc: Exception, context, method: str) -> tuple[grpc.StatusCode, str,
     return code, details, kept + carried
 
 
-def _sync_aborted(exc: Exception, context) -> bool:
+def _sync_aborted(exc: Exception, context: grpc.ServicerContext) -> bool:
     """grpc's sync ``context.abort`` records the status, then raises a bare ``Exception()`` (a
     handler that sets a code and then raises one itself is taken for an abort too)."""
-    return type(exc) is Exception and not exc.args and context.code() is not None
+    # grpc-stubs lacks ServicerContext.code() (grpc has it since 1.38)
+    return type(exc) is Exception and not exc.args and context.code() is not None  # type: ignore[attr-defined]
 
 
-def _sync_abort(exc: Exception, context, method: str):
+def _sync_abort(exc: Exception, context: grpc.ServicerContext, method: str) -> NoReturn:
     if _sync_aborted(exc, context):
         raise exc
     code, details, metadata = _status(exc, context, method)
@@ -61,8 +76,9 @@ def _sync_abort(exc: Exception, context, method: str):
     context.abort(code, details)
 
 
-def _sync_unary(behavior, method: str):
-    def handler(request, context):
+def _sync_unary(behavior: Callable[[_Req, grpc.ServicerContext], _Resp],
+                method: str) -> Callable[[_Req, grpc.ServicerContext], _Resp]:
+    def handler(request: _Req, context: grpc.ServicerContext) -> _Resp:
         try:
             return behavior(request, context)
         except Exception as exc:  # noqa: BLE001 - the boundary
@@ -71,8 +87,9 @@ def _sync_unary(behavior, method: str):
     return handler
 
 
-def _sync_stream(behavior, method: str):
-    def handler(request, context):
+def _sync_stream(behavior: Callable[[_Req, grpc.ServicerContext], Iterator[_Resp]],
+                 method: str) -> Callable[[_Req, grpc.ServicerContext], Iterator[_Resp]]:
+    def handler(request: _Req, context: grpc.ServicerContext) -> Iterator[_Resp]:
         try:
             yield from behavior(request, context)
         except Exception as exc:  # noqa: BLE001 - the boundary
@@ -81,15 +98,16 @@ def _sync_stream(behavior, method: str):
     return handler
 
 
-async def _aio_abort(exc: Exception, context, method: str):
+async def _aio_abort(exc: Exception, context: _AioContext, method: str) -> NoReturn:
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
     code, details, metadata = _status(exc, context, method)
     await context.abort(code, details, metadata)
 
 
-def _aio_unary(behavior, method: str):
-    async def handler(request, context):
+def _aio_unary(behavior: Callable[[_Req, _AioContext], Awaitable[_Resp]],
+               method: str) -> Callable[[_Req, _AioContext], Awaitable[_Resp]]:
+    async def handler(request: _Req, context: _AioContext) -> _Resp:
         try:
             return await behavior(request, context)
         except Exception as exc:  # noqa: BLE001 - the boundary
@@ -98,13 +116,15 @@ def _aio_unary(behavior, method: str):
     return handler
 
 
-def _aio_stream(behavior, method: str):
-    if not inspect.isasyncgenfunction(behavior):
-        return _aio_unary(behavior, method)  # a coroutine that answers with context.write()
+def _aio_stream(behavior: Callable[[_Req, _AioContext], AsyncIterator[_Resp] | Awaitable[None]],
+                method: str) -> Callable[[_Req, _AioContext], AsyncIterator[_Resp] | Awaitable[None]]:
+    if not inspect.isasyncgenfunction(behavior):  # a coroutine that answers with context.write()
+        return _aio_unary(cast("Callable[[_Req, _AioContext], Awaitable[None]]", behavior), method)
+    stream = cast("Callable[[_Req, _AioContext], AsyncIterator[_Resp]]", behavior)
 
-    async def handler(request, context):
+    async def handler(request: _Req, context: _AioContext) -> AsyncIterator[_Resp]:
         try:
-            async for response in behavior(request, context):
+            async for response in stream(request, context):
                 yield response
         except Exception as exc:  # noqa: BLE001 - the boundary
             await _aio_abort(exc, context, method)
@@ -115,15 +135,16 @@ def _aio_stream(behavior, method: str):
 class _Boundary:
     """Wraps each handler the continuation returns (None, an unknown method, stays None)."""
 
-    _unary = staticmethod(_sync_unary)
-    _stream = staticmethod(_sync_stream)
+    _unary: _Wrapper = staticmethod(_sync_unary)
+    _stream: _Wrapper = staticmethod(_sync_stream)
 
-    def __init__(self):
+    def __init__(self) -> None:
         # (method, id(handler)) -> (handler, its wrapper); holding the handler keeps its id unique
         # (a handler need not be hashable: a servicer with __eq__ and no __hash__ makes it not).
-        self._wrapped: dict[tuple[str, int], tuple] = {}
+        self._wrapped: dict[tuple[str, int], tuple[_Handler, _Handler]] = {}
 
-    def _wrap(self, handler, method: str):
+    def _wrap(self, handler: grpc.RpcMethodHandler[_Req, _Resp] | None,
+              method: str) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
         if handler is None:
             return None
         key = (method, id(handler))
@@ -147,7 +168,11 @@ class _Boundary:
 class ErrorBoundary(_Boundary, grpc.ServerInterceptor):
     """The error boundary of a ``grpc.server``: put it first in ``interceptors=[...]``."""
 
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[_Req, _Resp] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
         return self._wrap(continuation(handler_call_details), handler_call_details.method)
 
 
@@ -157,5 +182,9 @@ class AioErrorBoundary(_Boundary, grpc.aio.ServerInterceptor):
     _unary = staticmethod(_aio_unary)
     _stream = staticmethod(_aio_stream)
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
         return self._wrap(await continuation(handler_call_details), handler_call_details.method)

@@ -10,6 +10,7 @@ client side ``error_from_rpc(err)``.
 from __future__ import annotations
 
 import enum
+from typing import cast
 
 import grpc
 
@@ -181,10 +182,17 @@ def status_for(exc: ShmTransportError) -> tuple[grpc.StatusCode, str, tuple[tupl
     return code, exc.message, tuple(metadata)
 
 
+def _trailing_metadata(err: grpc.RpcError) -> tuple[tuple[str, str | bytes], ...]:
+    """The (key, value) pairs of a failure's trailing metadata. grpc-stubs types them as a
+    ``_Metadatum`` that cannot be unpacked; at runtime they are pairs (namedtuples, or the tuples
+    ``grpc.aio.Metadata`` iterates over)."""
+    return cast("tuple[tuple[str, str | bytes], ...]", err.trailing_metadata() or ())
+
+
 def carried_reason(err: grpc.RpcError) -> Reason | None:
     """The reason a server of ours sent with this failure (one we know, agreeing with the status
     code), or None: a bare status from the transport, a proxy or a foreign server."""
-    value = next((v for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), None)
+    value = next((v for k, v in _trailing_metadata(err) if k == REASON_KEY), None)
     try:
         reason = Reason(value)
     except ValueError:
@@ -192,7 +200,9 @@ def carried_reason(err: grpc.RpcError) -> Reason | None:
     return reason if _TABLE[reason][1] == err.code() else None
 
 
-def _int_or_none(value) -> int | None:
+def _int_or_none(value: str | bytes | None) -> int | None:
+    if value is None:
+        return None
     try:
         return int(value)
     except (TypeError, ValueError):
@@ -207,7 +217,7 @@ def error_from_rpc(err: grpc.RpcError) -> ShmTransportError:
     if reason is None:
         reason = _BARE_STATUS.get(err.code(), Reason.INTERNAL)
         return _TABLE[reason][0](err.details() or err.code().name, reason)
-    carried = {key: value for key, value in (err.trailing_metadata() or ())}
+    carried = {key: value for key, value in _trailing_metadata(err)}
     field = carried.get(FIELD_KEY)
     return _TABLE[reason][0](err.details() or "", reason,
                              field=field.decode("utf-8", "replace") if isinstance(field, bytes) else None,

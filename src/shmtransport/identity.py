@@ -110,7 +110,7 @@ def _check_scheme(name: Any) -> IdentityScheme:
     if scheme is None:
         allowed = [n for n, s in SCHEMES.items() if not s.over_msgpack]
         raise InvalidArgument(f"scheme must be one of {', '.join(allowed)}, got {name!r}")
-    if scheme.over_msgpack:
+    if scheme.msgpack_identity is not None:  # over_msgpack
         raise InvalidArgument(f"scheme {name!r} is computed over the msgpack payload: use "
                               f"{scheme.msgpack_identity.__name__}")
     return scheme
@@ -141,7 +141,7 @@ def _tensor_parts(key: str, value: Any) -> tuple[str, tuple[int, ...], memoryvie
         if not isinstance(value, np.ndarray) and value.device.type != "cpu":
             value = value.cpu()
         flat, name, shape = as_byte_array(value)
-        return name, shape, memoryview(flat)
+        return name, shape, flat.data  # = memoryview(flat); numpy's stubs make ndarray a Buffer on 3.12+ only
     raise InvalidArgument(f"tensors[{key!r}] must be an ndarray, a torch.Tensor or (dtype, shape, buffer), "
                           f"got {type(value).__name__}")
 
@@ -161,7 +161,9 @@ def _check_shape(key: str, shape: Any) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 def tensor_digest(scheme: str, buf: Any, threads: int | None = None) -> bytes:
     """Per-tensor digest of the raw bytes: tree-mode XXH3-128 (16 bytes), BLAKE3 (32 bytes), ..."""
-    return _check_scheme(scheme).tensor_hash(buf, threads)
+    tensor_hash = _check_scheme(scheme).tensor_hash
+    assert tensor_hash is not None  # _check_scheme returns a two-level scheme
+    return tensor_hash(buf, threads)
 
 
 def _xxh3_tree(buf: Any, threads: int | None) -> bytes:
@@ -228,6 +230,7 @@ def combine(scheme: str, modality: str, entries: Iterable[tuple[str, str, Sequen
     parts = [_DOMAIN, _framed(scheme), _framed(modality), _u64(len(checked))]
     for key, dtype, dims, nbytes, digest in sorted(checked, key=lambda r: r[0]):
         parts += [_framed(key), _framed(dtype), _u64(len(dims)), *(_u64(d) for d in dims), _u64(nbytes), digest]
+    assert spec.stream_hash is not None  # _check_scheme returns a two-level scheme
     digest = spec.stream_hash(b"".join(parts))
     return f"{scheme}:{digest.hex()}"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 
 import numpy as np
+import numpy.typing as npt
 
 from ._backend import BACKEND
 from .errors import HandleError, InvalidArgument, Reason, StateError
@@ -74,7 +75,7 @@ class ObjectTable:
         self.nslots = nslots
         self._memory = memory
         self._ptr = ffi.from_buffer("uint8_t[]", memory, require_writable=True)
-        self.columns = np.frombuffer(memory, dtype=SLOT_DTYPE, count=nslots)
+        self.columns: npt.NDArray[np.void] = np.frombuffer(memory, dtype=SLOT_DTYPE, count=nslots)
 
     def publish(self, index: int, offset: int, nbytes: int, bit: int) -> int:
         """A new object in free slot ``index``, held by ``bit``; its generation."""
@@ -128,10 +129,10 @@ class ObjectTable:
         return int(self.columns["holders"][index])
 
     def close(self) -> None:
-        """Drop this table's references to the mapping (so it can be unmapped)."""
-        self.columns = None
+        """Drop this table's references to the mapping (so it can be unmapped); it has no slots left."""
+        self.columns = np.empty(0, dtype=SLOT_DTYPE)
         self._ptr = None
-        self._memory = None
+        self._memory = memoryview(b"")
 
     def _status(self, rc: int) -> SlotStatus:
         if rc < 0:

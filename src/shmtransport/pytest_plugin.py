@@ -36,13 +36,15 @@ Options
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import pytest
 
 from . import testing
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .client import Consumer, Producer
     from .daemon import Daemon
 
 _ENTRY_POINT = "shmtransport"  # this module's pytest11 entry point name
@@ -52,16 +54,26 @@ _PROCESS_STATE_FIXTURES = frozenset(
     {"shm_daemon", "shm_daemon_session", "shm_make_daemon", "shm_producer", "shm_consumer", "shm_run_in_child"}
 )
 
-_reports_key = pytest.StashKey[dict]()  # item: phase -> report
+_reports_key = pytest.StashKey[dict[str, pytest.TestReport]]()  # item: phase -> report
 _check_key = pytest.StashKey[testing.LeakCheck]()  # item: its active leak check
-_item_daemons_key = pytest.StashKey[list]()  # item: function-scoped daemons it started
-_session_daemons_key = pytest.StashKey[list]()  # config: session-scoped daemons
+_item_daemons_key = pytest.StashKey[list["Daemon"]]()  # item: function-scoped daemons it started
+_session_daemons_key = pytest.StashKey[list["Daemon"]]()  # config: session-scoped daemons
 _session_failed_key = pytest.StashKey[bool]()  # config: a test using shm_daemon_session failed
-_kept_key = pytest.StashKey[list]()  # config: (nodeid, socket path, segment names, tmpdir) kept
+# config: (nodeid, socket path, segment names, tmpdir) kept
+_kept_key = pytest.StashKey[list[tuple[str, str, list[str], str | None]]]()
+
+_ClientT = TypeVar("_ClientT", "Producer", "Consumer")
+
+
+@runtime_checkable
+class _HasFixtureNames(Protocol):
+    """An item that requests fixtures (a test function, a doctest)."""
+
+    fixturenames: list[str]
 
 
 # -- options, markers, hooks ---------------------------------------------------------------------
-def pytest_plugin_registered(plugin, plugin_name: str, manager: pytest.PytestPluginManager) -> None:
+def pytest_plugin_registered(plugin: object, plugin_name: str, manager: pytest.PytestPluginManager) -> None:
     """Loaded by module name (``-p shmtransport.pytest_plugin``) before the entry points: block the
     entry point's name, or pluggy refuses to register this module a second time under it."""
     if plugin is sys.modules[__name__] and plugin_name != _ENTRY_POINT:
@@ -101,15 +113,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The marker requests the fixture; the leak check goes first so that it is set up before any
     daemon or client fixture and torn down after them."""
     for item in items:
-        names = getattr(item, "fixturenames", None)
-        if names is None:
+        if not isinstance(item, _HasFixtureNames):
             continue
+        names = item.fixturenames
         if "shm_leak_check" in names or item.get_closest_marker("shm_leak_check") is not None:
             item.fixturenames = ["shm_leak_check", *(n for n in names if n != "shm_leak_check")]
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call):
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     if item.stash.get(_check_key, None) is not None or _uses_daemon(item):
         item.stash.setdefault(_reports_key, {})[report.when] = report
@@ -129,7 +143,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
         check.check_daemon(daemon)
 
 
-def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     kept = config.stash.get(_kept_key, [])
     if not kept:
         return
@@ -159,15 +173,15 @@ def _keeping(item: pytest.Item) -> bool:
 
 
 def _active_daemons(item: pytest.Item) -> list["Daemon"]:
-    daemons = list(item.config.stash.get(_session_daemons_key, []))
-    daemons += item.stash.get(_item_daemons_key, [])
-    return [d for d in daemons if not d.closed]
+    session_daemons = item.config.stash.get(_session_daemons_key, [])
+    item_daemons = item.stash.get(_item_daemons_key, [])
+    return [d for d in [*session_daemons, *item_daemons] if not d.closed]
 
 
 def _keep(config: pytest.Config, nodeid: str, daemon: "Daemon") -> None:
     config.stash.setdefault(_kept_key, []).append(
         (nodeid, daemon.socket_path, testing.segments_of(daemon.config.name_prefix),
-         getattr(daemon, "_shmt_testing_tmpdir", None))
+         testing.daemons.tmpdir_of(daemon))
     )
 
 
@@ -181,13 +195,13 @@ def _finish_daemon(daemon: "Daemon", item: pytest.Item | None) -> None:
         if s.live_objects or s.live_leases:
             check.report("still live after the client fixtures closed (an unclosed client, or a committed object "
                          "nobody released or acquired: it outlives its producer for the hand-off window):\n"
-                         + testing._indent(testing.describe_daemon_state(daemon, s)) + check.describe_held(daemon))
+                         + testing.util.indent(testing.describe_daemon_state(daemon, s)) + check.describe_held(daemon))
     left = testing.stop_daemon(daemon)
     if left:
         pytest.fail(f"{daemon!r} left /dev/shm entries of its prefix after stop: {left}", pytrace=False)
 
 
-def _start(config: pytest.Config, **overrides) -> "Daemon":
+def _start(config: pytest.Config, **overrides: Any) -> "Daemon":
     overrides.setdefault("arena_nbytes", config.getoption("shm_arena_size"))
     return testing.start_daemon(**overrides)
 
@@ -203,7 +217,7 @@ def shm_owned_prefixes() -> tuple[str, ...]:
 
 
 @pytest.fixture
-def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes) -> testing.LeakCheck:
+def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes: tuple[str, ...]) -> Iterator[testing.LeakCheck]:
     """Fail the test at teardown if it leaves behind new /dev/shm entries of its own, open fds,
     live child processes, or live leases, loans or objects on a daemon fixture; each lease and
     loan still held is listed with the call site (file:line in function) that took it.
@@ -243,13 +257,13 @@ def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes) -> testin
 
 
 @pytest.fixture
-def shm_make_daemon(request: pytest.FixtureRequest) -> Callable[..., "Daemon"]:
+def shm_make_daemon(request: pytest.FixtureRequest) -> Iterator[Callable[..., "Daemon"]]:
     """Factory: ``shm_make_daemon(**DaemonConfig overrides)`` → a started in-process Daemon."""
     item = request.node
     started = item.stash.setdefault(_item_daemons_key, [])
-    mine: list = []
+    mine: list[Daemon] = []
 
-    def factory(**overrides) -> "Daemon":
+    def factory(**overrides: Any) -> "Daemon":
         daemon = _start(request.config, **overrides)
         started.append(daemon)
         mine.append(daemon)
@@ -260,7 +274,7 @@ def shm_make_daemon(request: pytest.FixtureRequest) -> Callable[..., "Daemon"]:
 
     yield factory
     keep = _keeping(item)
-    errors = []
+    errors: list[str] = []
     for daemon in mine:
         if keep:
             _keep(request.config, item.nodeid, daemon)
@@ -276,13 +290,13 @@ def shm_make_daemon(request: pytest.FixtureRequest) -> Callable[..., "Daemon"]:
 
 
 @pytest.fixture
-def shm_daemon(shm_make_daemon) -> "Daemon":
+def shm_daemon(shm_make_daemon: Callable[..., "Daemon"]) -> "Daemon":
     """A real Daemon for this test (see ``shm_make_daemon``), stopped and checked at teardown."""
     return shm_make_daemon()
 
 
 @pytest.fixture(scope="session")
-def shm_daemon_session(request: pytest.FixtureRequest) -> "Daemon":
+def shm_daemon_session(request: pytest.FixtureRequest) -> Iterator["Daemon"]:
     """One real Daemon for the whole session; stopped and checked at the end of the session."""
     config = request.config
     daemon = _start(config)
@@ -295,7 +309,7 @@ def shm_daemon_session(request: pytest.FixtureRequest) -> "Daemon":
     _finish_daemon(daemon, None)
 
 
-def _client(request: pytest.FixtureRequest, cls, daemon: "Daemon"):
+def _client(request: pytest.FixtureRequest, cls: type[_ClientT], daemon: "Daemon") -> Iterator[_ClientT]:
     client = cls(daemon.socket_path, timeout_s=_CLIENT_TIMEOUT_S)
     yield client
     if not _keeping(request.node):  # on a kept failure the session keeps its objects alive
@@ -303,7 +317,7 @@ def _client(request: pytest.FixtureRequest, cls, daemon: "Daemon"):
 
 
 @pytest.fixture
-def shm_producer(request: pytest.FixtureRequest, shm_daemon):
+def shm_producer(request: pytest.FixtureRequest, shm_daemon: "Daemon") -> Iterator[Producer]:
     """A ``Producer`` connected to ``shm_daemon``; closed at teardown."""
     from .client import Producer
 
@@ -311,7 +325,7 @@ def shm_producer(request: pytest.FixtureRequest, shm_daemon):
 
 
 @pytest.fixture
-def shm_consumer(request: pytest.FixtureRequest, shm_daemon):
+def shm_consumer(request: pytest.FixtureRequest, shm_daemon: "Daemon") -> Iterator[Consumer]:
     """A ``Consumer`` connected to ``shm_daemon``; closed at teardown."""
     from .client import Consumer
 
@@ -319,7 +333,7 @@ def shm_consumer(request: pytest.FixtureRequest, shm_daemon):
 
 
 @pytest.fixture
-def shm_run_in_child():
+def shm_run_in_child() -> Callable[..., Any]:
     """``run_in_child(fn, *args, timeout_s=..., **kwargs)``: run module-level ``fn`` in a ``spawn``
     child; its result, or its exception re-raised here with the child's traceback as a note."""
     return testing.run_in_child

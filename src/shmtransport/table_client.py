@@ -52,7 +52,7 @@ GRANT_ARENA_FRACTION = 64  # a standard grant is this fraction of the arena (wit
 # other producers.
 IDLE_PARK_S = 0.5
 
-GrantCall = Callable[[int, int, list, int, bool], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms, retry)
+GrantCall = Callable[[int, int, list[int], int, bool], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms, retry)
 # A producer waiting for space looks at its own grants again after waits growing from the first to
 # the last (its consumers, and its own other threads, free space in its grants without telling the
 # daemon).
@@ -66,7 +66,7 @@ class _Grant:
     nbytes: int
     allocator: Allocator
     first_slot: int  # holds the grant's state word
-    free_slots: collections.deque
+    free_slots: collections.deque[int]
     nslots: int
     large: bool  # made for an object larger than a standard grant: holds one object at a time
     parked: bool = False  # empty, and the daemon may take it
@@ -134,7 +134,9 @@ class TableClient:
         return placed
 
     def _place_one(self, nbytes: int, deadline: float) -> Placed:
-        for attempt in itertools.count():
+        attempts = itertools.count()
+        while True:
+            attempt = next(attempts)
             obj = self._try_place(nbytes)
             if obj is None:
                 self.collect()

@@ -6,11 +6,14 @@ reinterpreted (never converted) on the torch side.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from .errors import InvalidArgument, MissingDependency
+
+if TYPE_CHECKING:
+    import torch
 
 # vLLM's 13 accepted tensor dtypes -> numpy storage dtype.
 DTYPES: dict[str, np.dtype] = {
@@ -105,7 +108,7 @@ def as_byte_array(tensor: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
     return array.view(np.uint8), name, shape
 
 
-def to_torch(array: np.ndarray, name: str):
+def to_torch(array: np.ndarray, name: str) -> torch.Tensor:
     """Zero-copy torch tensor over a numpy array holding ``name``-typed bytes.
 
     Torch has no read-only tensors: over a read-only mapping an in-place op dies of SIGSEGV, so a

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..client import Consumer
 from ..embedmask import PlaceholderRange
@@ -11,6 +11,9 @@ from ..protocol.items import FieldConfig
 from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..protocol.msgpack_kwargs import encode_kwargs_item
 from ..v1 import features_pb2 as fpb
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Unrepresentable(InvalidArgument):
@@ -26,7 +29,7 @@ class ItemPayload:
     modality: str
     placeholder: PlaceholderRange
     mm_hash: str
-    kwargs: dict[str, Any]  # key -> torch tensor (a copy, independent of any lease)
+    kwargs: dict[str, torch.Tensor]  # key -> a copy, independent of any lease
     fields: dict[str, FieldConfig]
     msgpack: bytes  # vLLM's kwargs MessagePack: the producer's exact bytes when it sent them
 
@@ -45,7 +48,9 @@ def item_payloads(multimodal: fpb.MultimodalRequest, consumer: Consumer | None,
             for j, kw in enumerate(items):
                 fields = inputs.mm_fields[modality][j]
                 copied = {key: t.clone() for key, t in kw.items()}
-                raw = raws[k] if raws[k] is not None else encode_kwargs_item(copied, fields)
+                raw = raws[k]
+                if raw is None:
+                    raw = encode_kwargs_item(copied, fields)
                 out.append(ItemPayload(modality, inputs.mm_placeholders[modality][j].range,
                                        inputs.mm_hashes[modality][j], copied, fields, bytes(raw)))
                 k += 1

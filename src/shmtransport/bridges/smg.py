@@ -48,12 +48,21 @@ without hashes, the worker then hashes itself). Defaults SMG cannot omit are wri
 """
 from __future__ import annotations
 
-from ..client import Consumer
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..client import Consumer, Handle, Producer
 from ..errors import InvalidArgument
 from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..protocol.sampling import project_sampling, prompt_token_ids
+from ..v1 import features_pb2 as fpb
 from ..v1 import generate_pb2 as gpb
-from .common import item_payloads, unrepresentable
+from .common import ItemPayload, item_payloads, unrepresentable
+
+if TYPE_CHECKING:
+    import torch
+
+    # writes one tensor into an SMG TensorData message (inline bytes, or a ShmHandle)
+    _Sink = Callable[[Any, torch.Tensor], None]
 
 TARGET = "SMG vllm_engine.GenerateRequest"
 _I32 = (-(1 << 31), (1 << 31) - 1)
@@ -65,7 +74,8 @@ class SmgRequest:
     """An SMG request whose tensors live in dedicated segments; ``release()`` once the worker has
     read them (or rely on ``hold_ms``). A context manager."""
 
-    def __init__(self, request, producer, handles):
+    def __init__(self, request: Any, producer: Producer, handles: list[Handle]) -> None:
+        """``request``: SMG's ``vllm_engine_pb2.GenerateRequest``."""
         self.request = request
         self._producer = producer
         self.handles = handles
@@ -78,16 +88,16 @@ class SmgRequest:
     def __enter__(self) -> "SmgRequest":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
-def to_smg_shm(req: gpb.GenerateRequest, consumer: Consumer | None, producer, *, hold_ms: int = 0,
+def to_smg_shm(req: gpb.GenerateRequest, consumer: Consumer | None, producer: Producer, *, hold_ms: int = 0,
                drop_identities: bool = False, limits: Limits = DEFAULT_LIMITS) -> SmgRequest:
     """Like ``to_smg`` but every batched tensor goes into its own dedicated segment (ShmHandle)."""
-    handles: list = []
+    handles: list[Handle] = []
 
-    def sink(td, tensor) -> None:
+    def sink(td: Any, tensor: torch.Tensor) -> None:
         h = producer.put(tensor, hold_ms=hold_ms, dedicated=True)
         handles.append(h)
         if not _shm_name_ok(h.shm.name):
@@ -112,14 +122,15 @@ def _shm_name_ok(name: str) -> bool:
     return bool(name) and "/" not in name and "\x00" not in name and name not in (".", "..")
 
 
-def _pb():
+def _pb() -> Any:
     from smg_grpc_proto.generated import vllm_engine_pb2
 
     return vllm_engine_pb2
 
 
 def to_smg(req: gpb.GenerateRequest, consumer: Consumer | None = None, *, drop_identities: bool = False,
-           limits: Limits = DEFAULT_LIMITS, _sink=None):
+           limits: Limits = DEFAULT_LIMITS, _sink: _Sink | None = None) -> Any:
+    """SMG's ``vllm_engine_pb2.GenerateRequest`` for ``req`` (features inline unless ``_sink``)."""
     pb = _pb()
     tokens = prompt_token_ids(req)
     sp = project_sampling(req)
@@ -190,17 +201,17 @@ def _wire_key(modality: str, key: str) -> str:
 class _Batch:
     """One SMG MultimodalInputs, planned before any tensor is emitted."""
 
-    def __init__(self, modality: str, items: list):
+    def __init__(self, modality: str, items: list[ItemPayload]) -> None:
         self.modality, self.items = modality, items
-        self.tensors: dict[str, object] = {}  # wire key -> the one tensor SMG reads
+        self.tensors: dict[str, torch.Tensor] = {}  # wire key -> the one tensor SMG reads
         self.batched: list[str] = []
-        self.flat: dict[str, tuple] = {}  # wire key -> item lengths along dim 0
+        self.flat: dict[str, tuple[int, ...]] = {}  # wire key -> item lengths along dim 0
         self.cpu: list[str] = []
         self.primary = ""
         self.hashes: list[str] = []  # blake3 hex, one per item or none
 
 
-def _plan(modality: str, items: list, drop_identities: bool) -> _Batch:
+def _plan(modality: str, items: list[ItemPayload], drop_identities: bool) -> _Batch:
     import torch
 
     from ..tensors import dtype_name
@@ -276,13 +287,13 @@ def _plan(modality: str, items: list, drop_identities: bool) -> _Batch:
     return plan
 
 
-def _sizes_keys(plan: _Batch, taken: set) -> dict[str, str]:
+def _sizes_keys(plan: _Batch, taken: set[str]) -> dict[str, str]:
     """flat key -> the name of its int64 sizes tensor: one per distinct set of item lengths, the
     primary's named ``patches_per_<modality>`` (per modality: SMG merges all batches into one dict
     and refuses repeated keys), none clashing with a real kwarg."""
     order = sorted(plan.flat, key=lambda k: (k != plan.primary, k))
-    names: dict[tuple, str] = {}
-    out = {}
+    names: dict[tuple[int, ...], str] = {}
+    out: dict[str, str] = {}
     for key in order:
         sizes = plan.flat[key]
         if sizes not in names:
@@ -295,7 +306,9 @@ def _sizes_keys(plan: _Batch, taken: set) -> dict[str, str]:
     return out
 
 
-def _features(pb, out, mm, consumer, drop_identities, limits, sink) -> None:
+def _features(pb: Any, out: Any, mm: fpb.MultimodalRequest, consumer: Consumer | None, drop_identities: bool,
+              limits: Limits, sink: _Sink) -> None:
+    """``pb``: SMG's ``vllm_engine_pb2``; ``out``: its ``GenerateRequest``, given ``mm_inputs``."""
     import torch
 
     from ..protocol.items import modality_to_pb
@@ -306,12 +319,12 @@ def _features(pb, out, mm, consumer, drop_identities, limits, sink) -> None:
             if it.placeholder.HasField("is_embed_nbits"):
                 raise unrepresentable(TARGET, f"multimodal item {j} is_embed mask", "PlaceholderRange has no mask")
     payloads = item_payloads(mm, consumer, limits)
-    by_modality: dict[str, list] = {}
+    by_modality: dict[str, list[ItemPayload]] = {}
     for p in payloads:
         by_modality.setdefault(p.modality, []).append(p)
     # plan every batch first: anything SMG cannot read is refused before a tensor is emitted
     plans = [_plan(modality, items, drop_identities) for modality, items in by_modality.items()]
-    taken: set = set()
+    taken: set[str] = set()
     for plan in plans:
         real = {key for p in plan.items for key in p.kwargs}
         if real & taken:
@@ -340,7 +353,7 @@ def _features(pb, out, mm, consumer, drop_identities, limits, sink) -> None:
         msg.keep_on_cpu_keys.extend(plan.cpu)
 
 
-def _tensor_data(td, tensor) -> None:
+def _tensor_data(td: Any, tensor: torch.Tensor) -> None:
     from ..tensors import as_byte_array
 
     flat, dtype, shape = as_byte_array(tensor)

@@ -13,7 +13,7 @@ import threading
 import time
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from .. import arena, objtable
 from ..errors import (
@@ -39,7 +39,7 @@ class _Connection:
     passed over the session socket, checked (a regular 0600 file of the daemon's) before mapping.
     """
 
-    def __init__(self, socket_path: str, timeout_s: float, writable: bool, daemon_uid: int | None = None):
+    def __init__(self, socket_path: str, timeout_s: float, writable: bool, daemon_uid: int | None = None) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.writable = writable
@@ -56,7 +56,7 @@ class _Connection:
         self.holder_bit: int | None = None
         self._table_mapping: arena.ArenaMapping | None = None
         self.hello = pb.SessionHello()
-        self._metadata: tuple = ()
+        self._metadata: tuple[tuple[str, str], ...] = ()
         self._checked_at = 0.0
 
     def ensure(self) -> None:
@@ -79,8 +79,11 @@ class _Connection:
 
     def _session_alive(self) -> bool:
         """The daemon never writes after the handshake, so readable means EOF: it is gone."""
+        sock = self._session_sock
+        if sock is None:
+            return False  # not connected (set together with ``stub``)
         try:
-            return self._session_sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except BlockingIOError:
             return True
         except OSError:
@@ -171,6 +174,7 @@ class _Connection:
     def _authenticate(self, sock: socket.socket) -> int:
         """The uid of the process serving the session socket, if it is the daemon we expect, and
         its gRPC socket is that uid's socket; else PermissionDenied (nothing was sent yet)."""
+        uid: int
         _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         if uid not in (self.expected_daemon_uid, 0):
             raise PermissionDenied(
@@ -193,7 +197,7 @@ class _Connection:
         with self._lock:
             return self.stub is not None and self._session_alive()
 
-    def call(self, method: str, request, reconnect: bool = True):
+    def call(self, method: str, request: Message, reconnect: bool = True) -> Message:
         """One unary RPC with the session token and timeout; typed errors; reconnect next time.
         ``reconnect=False``: on this session only (Unavailable when it is gone), for calls that
         name things of this session (a newer daemon would misread them)."""
@@ -202,7 +206,7 @@ class _Connection:
         elif not self.alive():
             raise Unavailable("the daemon of this session is gone")
         try:
-            return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+            return self._rpc(method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             exc = self.typed(err)
         try:
@@ -212,12 +216,18 @@ class _Connection:
             # make a cycle that keeps their locals (arena views among them) alive until a GC.
             del exc
 
-    def call_future(self, method: str, request) -> grpc.Future:
+    def call_future(self, method: str, request: Message) -> grpc.Future[Message]:
         """Send an RPC without waiting for its reply; ``typed`` turns its failure into our error."""
         self.ensure()
-        return getattr(self.stub, method).future(request, timeout=self.timeout_s, metadata=self._metadata)
+        return self._rpc(method).future(request, timeout=self.timeout_s, metadata=self._metadata)
 
-    def typed(self, err: grpc.RpcError):
+    def _rpc(self, method: str) -> grpc.UnaryUnaryMultiCallable[Message, Message]:
+        """The stub's unary method ``method`` (the generated stub is untyped: every method takes a
+        request message and answers a response message)."""
+        rpc: grpc.UnaryUnaryMultiCallable[Message, Message] = getattr(self.stub, method)
+        return rpc
+
+    def typed(self, err: grpc.RpcError) -> ShmTransportError:
         exc = error_from_rpc(err)
         # The daemon is gone, or no longer knows our session (it restarted, or closed it): new
         # session next call. Any other refusal (a foreign handle, another tenant's) keeps this one.
@@ -242,7 +252,8 @@ class _Connection:
             arena.detach(self.mapping)
         if self.table is not None:
             self.table.close()
-            arena.detach(self._table_mapping)
+            if self._table_mapping is not None:  # set together with ``table``
+                arena.detach(self._table_mapping)
         self._channel = self.stub = self._session_sock = self.mapping = None
         self.table = self._table_mapping = self.holder_bit = None
 

@@ -55,16 +55,16 @@ class Consumer(_Client):
                     Reason.INSTANCE_MISMATCH,
                 )
         sizes = [_check_manifest(h) for h in handles]
-        leases: list[Lease | None] = [None] * len(handles)
+        leases: dict[int, Lease] = {}  # by index in handles
         if self._deferred:
             self._requeue_deferred(force=False)  # releases whose views are gone by now
         with self._lock:
             tables = self._table_client()
             if tables is not None:
                 self._acquire_in_table(tables, handles, sizes, leases)
-        rest = [i for i, lease in enumerate(leases) if lease is None]
+        rest = [i for i in range(len(handles)) if i not in leases]
         if not rest:
-            return leases
+            return [leases[i] for i in range(len(handles))]
         try:
             request = pb.AcquireRequest(handles=[handles[i].shm for i in rest], ttl_ms=ttl_ms)
             if any(handles[i].commit_token for i in rest):
@@ -72,23 +72,24 @@ class Consumer(_Client):
             response = self._call("Acquire", request)
             memories = self._map_granted([handles[i].shm for i in rest], response.lease_ids)
         except BaseException:
-            self._release_views([lease for lease in leases if lease is not None])
+            self._release_views(list(leases.values()))
             raise
         for i, memory, lease_id in zip(rest, memories, response.lease_ids):
             leases[i] = Lease(self, handles[i], memory[:sizes[i]], lease_id)
-        return leases
+        return [leases[i] for i in range(len(handles))]
 
     def _acquire_in_table(self, tables: TableClient, handles: list[Handle], sizes: list[int],
-                          leases: list[Lease | None]) -> None:
-        """Leases with this client's bit on every object-table handle (lock held); all or
-        nothing: a refusal gives back the ones taken and raises."""
+                          leases: dict[int, Lease]) -> None:
+        """Leases with this client's bit on every object-table handle (lock held), by index in
+        ``handles``; all or nothing: a refusal gives back the ones taken and raises."""
         mapping = self._conn.mapping
         taken: list[Lease] = []
         try:
             for i, h in enumerate(handles):
                 shm = h.shm
-                if not shm.slot or shm.name != mapping.name:
-                    continue  # not this tenant's table: the daemon answers (e.g. another tenant's)
+                if not shm.slot or mapping is None or shm.name != mapping.name:
+                    # not this tenant's table (or the session is gone meanwhile): the daemon answers
+                    continue
                 if shm.offset + shm.nbytes > mapping.nbytes:
                     raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena",
                                       Reason.OUT_OF_BOUNDS)

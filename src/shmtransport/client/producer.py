@@ -6,6 +6,7 @@ from typing import Any, Iterable, Sequence
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from .._backend import kernels
 from ..errors import (
@@ -42,12 +43,12 @@ class Producer(_Client):
         alloc_wait_s: float = 1.0,
         copy_threads: int | None = None,
         daemon_uid: int | None = None,
-    ):
+    ) -> None:
         """The frontend's side (see ``_Client`` for the connection options). ``alloc_wait_s``:
         how long, in seconds, a loan waits for space when the arena or the quota is full
         (back-pressure) before ResourceExhausted; 0 fails at once. ``copy_threads``: threads that
         ``put`` copies (and hashes) large tensors with; None = all cores, 1 = the calling thread."""
-        self._pending_commits: list[grpc.Future] = []
+        self._pending_commits: list[grpc.Future[Message]] = []
         self.alloc_wait_s = alloc_wait_s
         self.copy_threads = copy_threads
         super().__init__(socket_path, timeout_s=timeout_s, release_delay_s=release_delay_s, daemon_uid=daemon_uid)
@@ -97,6 +98,8 @@ class Producer(_Client):
                     raise
                 return None  # no slot left in the tenant's table: these objects are the daemon's to keep
             mapping, hello = self._conn.mapping, self._conn.hello
+            if mapping is None:  # disconnected meanwhile (by another thread's failed call)
+                raise Unavailable("the daemon of this session is gone")
             loans = []
             for obj, (dt, shape, nbytes) in zip(placed, typed):
                 shm = pb.Handle(name=mapping.name, offset=obj.offset, nbytes=obj.nbytes, owner_id=hello.session_id,
@@ -135,12 +138,11 @@ class Producer(_Client):
                 raise StateError(f"{loan!r} is already committed")
         for loan in loans:
             if digest:
-                loan.handle.digest = kernels.tree_digest(loan._memory)
-        in_table = [loan for loan in loans if loan._placed is not None]
+                loan.handle.digest = kernels.tree_digest(loan._live_memory())
+        in_table = [(loan, loan._placed) for loan in loans if loan._placed is not None]
         if in_table:
             with self._lock:
-                for loan in in_table:
-                    tables, placed = loan._placed
+                for loan, (tables, placed) in in_table:
                     if not self._live_table(tables):
                         raise Unavailable("the daemon restarted: this loan's bytes are gone", Reason.INSTANCE_MISMATCH)
                     tables.commit(placed, hold_ms)
@@ -175,7 +177,7 @@ class Producer(_Client):
         # A release must not overtake the commit of the same object; Stat reports settled state.
         self._settle_commits(block=method in ("Release", "Stat"))
 
-    def _piggyback(self, request) -> None:
+    def _piggyback(self, request: Message) -> None:
         # A queued release must not overtake the commit of the same object.
         if self._queued_handles:
             self._settle_commits(block=True)
@@ -230,9 +232,9 @@ class Producer(_Client):
         try:
             for loan, (src, _, _) in zip(loans, sources):
                 if digest:
-                    loan.handle.digest = kernels.copy_tree_digest(loan._memory, src, self.copy_threads)
+                    loan.handle.digest = kernels.copy_tree_digest(loan._live_memory(), src, self.copy_threads)
                 else:
-                    kernels.copy(loan._memory, src, self.copy_threads)
+                    kernels.copy(loan._live_memory(), src, self.copy_threads)
             handles = self.commit_many(loans, hold_ms=hold_ms)
         except BaseException:
             self._release_views(loans)
@@ -274,7 +276,7 @@ class Producer(_Client):
         """Release this producer's object-table handles; the other handles."""
         if not any(h.shm.slot for h in handles):
             return handles
-        rest = []
+        rest: list[Handle] = []
         self._conn.ensure_recent()
         with self._lock:
             tables = self._table_client()
@@ -286,7 +288,7 @@ class Producer(_Client):
                     raise Unavailable(f"handle of daemon instance {h.shm.instance_id!r}, connected to "
                                       f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
                 placed = tables.owned(h.shm.slot - 1, h.shm.generation) if tables is not None else None
-                if placed is None:
+                if tables is None or placed is None:
                     if tables is not None and h.shm.owner_id == self._conn.hello.session_id:
                         raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)
                     raise OwnershipError(f"{h!r} is not an object of this producer")

@@ -8,7 +8,10 @@ import os
 import sys
 import threading
 import warnings
-from typing import Iterable, Sequence
+from types import TracebackType
+from typing import Iterable, Literal, Sequence, TypeGuard, TypeVar, overload
+
+from google.protobuf.message import Message
 
 from .. import arena, shm_names
 from .._delayed import DelayedCall
@@ -17,9 +20,10 @@ from ..table_client import TableClient
 from ..v1 import daemon_pb2 as pb
 from ..wire import MAX_BATCH, default_socket_path
 from .connection import _Connection
-from .views import Lease, _View
+from .views import Lease, Loan, _View
 
 _log = logging.getLogger("shmtransport.client")
+_C = TypeVar("_C", bound="_Client")
 
 
 class _Client:
@@ -35,7 +39,7 @@ class _Client:
     GRANT_RETURN_DELAY_S = 0.1  # how often a producer with grants looks for ones to park or give back
 
     def __init__(self, socket_path: str | None = None, *, timeout_s: float = 10.0, release_delay_s: float = 0.02,
-                 daemon_uid: int | None = None):
+                 daemon_uid: int | None = None) -> None:
         """Connect to the daemon at ``socket_path`` (default: ``$SHMTRANSPORT_SOCKET``, else the
         per-user path ``shmtransport daemon`` listens on) and start a session.
 
@@ -128,14 +132,14 @@ class _Client:
     def _table_client(self) -> TableClient | None:
         """This connection's object-table client (lock held), rebuilt after a reconnect; None when
         objects go through the daemon (no table, no bit, or no C kernels)."""
-        table = self._conn.table
-        if table is None:
+        table, bit = self._conn.table, self._conn.holder_bit
+        if table is None or bit is None:  # set together
             self._tables = None
             return None
         if self._tables is None or self._tables.table is not table:
             hello = self._conn.hello
             info = hello.object_table
-            self._tables = TableClient(table, self._conn.holder_bit, hello.arena_nbytes,
+            self._tables = TableClient(table, bit, hello.arena_nbytes,
                                        info.handoff_window_ms, info.max_hold_ms, self._grant)
         return self._tables
 
@@ -151,12 +155,30 @@ class _Client:
         finally:
             self._lock.acquire()
 
-    def _live_table(self, tables: TableClient | None) -> bool:
+    def _live_table(self, tables: TableClient | None) -> TypeGuard[TableClient]:
         """Whether a view's object-table client still speaks for this connection (after a daemon
         restart its objects are gone with the daemon: nothing is left to release)."""
         return tables is not None and tables is self._tables and tables.table is self._conn.table
 
-    def _call(self, method: str, request):
+    @overload
+    def _call(self, method: Literal["Loan"], request: pb.LoanRequest) -> pb.LoanResponse: ...
+    @overload
+    def _call(self, method: Literal["Grant"], request: pb.GrantRequest) -> pb.GrantResponse: ...
+    @overload
+    def _call(self, method: Literal["Commit"], request: pb.CommitRequest) -> pb.CommitResponse: ...
+    @overload
+    def _call(self, method: Literal["Acquire"], request: pb.AcquireRequest) -> pb.AcquireResponse: ...
+    @overload
+    def _call(self, method: Literal["Release"], request: pb.ReleaseRequest) -> pb.ReleaseResponse: ...
+    @overload
+    def _call(self, method: Literal["Stat"], request: pb.StatRequest) -> pb.StatResponse: ...
+    @overload
+    def _call(self, method: Literal["List"], request: pb.ListRequest) -> pb.ListResponse: ...
+    @overload
+    def _call(self, method: Literal["Close"], request: pb.CloseRequest) -> pb.CloseResponse: ...
+
+    def _call(self, method: str, request: Message) -> Message:
+        """The RPC ``method`` (its request message answers its response message)."""
         self._before_call(method)
         if method != "Release":
             self._piggyback(request)
@@ -168,7 +190,7 @@ class _Client:
         if self._deferred:
             self._requeue_deferred(force=False)
 
-    def _piggyback(self, request) -> None:
+    def _piggyback(self, request: Message) -> None:
         if not hasattr(request, "release"):
             return
         with self._lock:
@@ -250,7 +272,7 @@ class _Client:
                     view._table.release_lease(shm.slot - 1, shm.generation)
             else:
                 self._queued_leases.append(view.lease_id)
-        elif view._placed is not None:
+        elif isinstance(view, Loan) and view._placed is not None:
             tables, placed = view._placed
             if self._live_table(tables) and placed.held:
                 tables.release_own(placed, cancel_handoff=True)
@@ -269,8 +291,8 @@ class _Client:
             self._background.within(0.0)
         elif self._queued_handles or self._queued_leases or self._deferred:
             self._background.within(self._release_delay_s)
-        elif self._surplus_grants():
-            self._background.within(0.0 if self._tables.give_back else self.GRANT_RETURN_DELAY_S)
+        elif (tables := self._surplus_grants()) is not None:
+            self._background.within(0.0 if tables.give_back else self.GRANT_RETURN_DELAY_S)
 
     def _flush_quietly(self) -> None:
         """Background path: nobody is there to catch an error, so log it."""
@@ -290,16 +312,17 @@ class _Client:
             if not self._closed:
                 self._schedule_flush()  # grants whose last objects are still held: look again later
 
-    def _surplus_grants(self) -> bool:
+    def _surplus_grants(self) -> TableClient | None:
+        """This session's object-table client, when it has grants to park or give back."""
         tables = self._tables
-        return tables is not None and self._live_table(tables) and tables.has_surplus
+        return tables if self._live_table(tables) and tables.has_surplus else None
 
     def _return_grants(self) -> None:
         """Collect dead objects, park idle grants, give back the grants queued for return
         (background)."""
         with self._lock:
-            tables = self._tables
-            if not self._surplus_grants():
+            tables = self._surplus_grants()
+            if tables is None:
                 return
             tables.collect()
             give_back, tables.give_back = tables.give_back, []
@@ -348,10 +371,11 @@ class _Client:
             self._background.stop()  # outside the lock: a background flush in progress needs it
             self._conn.disconnect()
 
-    def __enter__(self):
+    def __enter__(self: _C) -> _C:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.close()
             return

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import _call_sites, arena
 from .._backend import kernels
@@ -22,19 +23,24 @@ from ..table_client import Placed, TableClient
 from ..tensors import dtype_from_name, to_torch
 
 if TYPE_CHECKING:
+    import torch
+
+    from .consumer import Consumer
+    from .producer import Producer
     from .session import _Client
 
+_V = TypeVar("_V", bound="_View")
 
 
 class _View:
     """Shared machinery of a Loan and a Lease: a typed view over the bytes a handle names."""
 
-    def __init__(self, client: "_Client", handle: Handle, memory: memoryview):
+    def __init__(self, client: "_Client", handle: Handle, memory: memoryview) -> None:
         self._client = client
         self.handle = handle
-        self._memory = memory
+        self._memory: memoryview | None = memory  # None once let go (released, or committed and unviewed)
         self._array: np.ndarray | None = None
-        self._roots: list[weakref.ref] = []  # of every buffer this view cut typed arrays from
+        self._roots: list[weakref.ref[npt.NDArray[np.uint8]]] = []  # every buffer this view cut typed arrays from
         self._released = False
         self._sealed = False  # a committed loan hands out no more (writable) views
 
@@ -47,19 +53,27 @@ class _View:
     def array(self) -> np.ndarray:
         """Zero-copy numpy view with the tensor's dtype and shape."""
         if self._array is None:
-            self._check_viewable()
-            self._array = self._typed(self._memory)
+            self._array = self._typed(self._check_viewable())
         return self._array
 
-    def tensor(self):
+    def tensor(self) -> torch.Tensor:
         """Zero-copy torch tensor over the same bytes (bfloat16 included)."""
         return to_torch(self.array, self.handle.dtype)
 
-    def _check_viewable(self) -> None:
+    def _check_viewable(self) -> memoryview:
+        """The bytes, while new views of them may be made."""
         if self._released:
             raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
         if self._sealed:
             raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
+        return self._live_memory()
+
+    def _live_memory(self) -> memoryview:
+        """Our slice of the bytes; ClosedError once it was let go (released or committed, and no
+        view of it left)."""
+        if self._memory is None:
+            raise ClosedError(f"{self!r}: its bytes are no longer mapped here", Reason.VIEW_RELEASED)
+        return self._memory
 
     def _typed(self, memory: memoryview) -> np.ndarray:
         """The handle's dtype and shape over ``memory``, tracked by ``_views_alive``."""
@@ -87,13 +101,16 @@ class _View:
         if not self._views_alive():
             self._forget_memory()
 
-    def __enter__(self):
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _V) -> _V:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def __del__(self):
+    def __del__(self) -> None:
         # The one finalizer policy (views, loans, leases, remote buffers): warn, then release.
         # Never here: a finalizer runs on whichever thread the collector happens to, inside any
         # lock, so the client's background thread does it. A closed client released it already.
@@ -106,8 +123,10 @@ class _View:
 class Loan(_View):
     """Writable bytes loaned to a producer; ``commit`` seals them and returns the handle."""
 
-    def __init__(self, client: "_Client", handle: Handle, memory: memoryview,
-                 placed: tuple[TableClient, Placed] | None = None):
+    _client: Producer
+
+    def __init__(self, client: "Producer", handle: Handle, memory: memoryview,
+                 placed: tuple[TableClient, Placed] | None = None) -> None:
         """``placed``: the object-table entry of a loan placed in this producer's own grant."""
         super().__init__(client, handle, memory)
         self._placed = placed
@@ -131,7 +150,7 @@ class Loan(_View):
     def __repr__(self) -> str:
         return f"Loan({self.handle!r}, {'released' if self._released else 'live'})"
 
-    def __del__(self):
+    def __del__(self) -> None:
         # A committed loan's reference is its handle from then on (``Producer.release(handle)``,
         # or the producer's close); only a loan dropped uncommitted and unreleased is a leak.
         if not getattr(self, "committed", True):
@@ -141,8 +160,10 @@ class Loan(_View):
 class Lease(_View):
     """A consumer's read-only view of committed bytes, valid until ``release``."""
 
-    def __init__(self, client: "_Client", handle: Handle, memory: memoryview, lease_id: int,
-                 table: TableClient | None = None):
+    _client: Consumer
+
+    def __init__(self, client: "Consumer", handle: Handle, memory: memoryview, lease_id: int,
+                 table: TableClient | None = None) -> None:
         """``table``: set for a lease held with this client's bit in the object table
         (``lease_id`` 0); otherwise the daemon's lease ``lease_id``."""
         super().__init__(client, handle, memory)
@@ -152,7 +173,7 @@ class Lease(_View):
         if _call_sites.enabled:  # a leak check is on: remember the caller for its report
             _call_sites.record(self)
 
-    def tensor(self):
+    def tensor(self) -> torch.Tensor:
         """Torch tensor of the leased bytes on private pages of this lease (``arena.private_view``).
 
         From 1 MiB on, reads copy nothing (the pages are the shared ones until written) and an
@@ -162,8 +183,7 @@ class Lease(_View):
         the read-only shared mapping an in-place op would die of SIGSEGV. Like ``array``, a live
         tensor keeps the lease after ``release`` (its pages must not meet a new object)."""
         if self._private is None:
-            self._check_viewable()
-            self._private = self._typed(arena.private_view(self._memory, self.handle.shm.offset))
+            self._private = self._typed(arena.private_view(self._check_viewable(), self.handle.shm.offset))
         return to_torch(self._private, self.handle.dtype)
 
     def _detach_views(self) -> None:
@@ -176,7 +196,7 @@ class Lease(_View):
             raise ClosedError(f"{self!r} is released", Reason.VIEW_RELEASED)
         if not self.handle.digest:
             raise InvalidArgument("handle carries no digest: the producer did not hash")
-        if kernels.tree_digest(self._memory) != self.handle.digest:
+        if kernels.tree_digest(self._live_memory()) != self.handle.digest:
             raise IdentityMismatch(f"content digest mismatch for {self.handle!r}")
 
     def release(self) -> None:

@@ -14,12 +14,18 @@ import socketserver
 import stat
 import tempfile
 import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
 
 from ..errors import InvalidArgument, PermissionDenied
+
+if TYPE_CHECKING:
+    from .server import Daemon
 
 _GAUGES = {
     "used_nbytes": "Arena bytes held by live objects",
@@ -60,10 +66,10 @@ _PROBE_TIMEOUT_S = 1.0
 
 
 class _DaemonCollector:
-    def __init__(self, daemon):
+    def __init__(self, daemon: Daemon) -> None:
         self._daemon = daemon
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         """Every metric once per tenant, labelled with it."""
         stats = [self._daemon.stat(tenant) for tenant in self._daemon.tenants]
         arena = GaugeMetricFamily("shmtransport_arena_nbytes", "Arena size in bytes", labels=["tenant"])
@@ -72,12 +78,13 @@ class _DaemonCollector:
                     for f, doc in _COUNTERS.items()}
         per_client = GaugeMetricFamily("shmtransport_client_leases",
                                        "Live leases the daemon holds, by client process", labels=["tenant", "pid"])
+        families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [*gauges.items(), *counters.items()]
         for tenant_stat in stats:
             arena.add_metric([tenant_stat.tenant], tenant_stat.arena.nbytes)
-            for field, family in (*gauges.items(), *counters.items()):
+            for field, family in families:
                 family.add_metric([tenant_stat.tenant], getattr(tenant_stat, field))
             # One sample per process: its sessions (a Producer and a Consumer, say) share the labels.
-            leases_by_pid = collections.Counter()
+            leases_by_pid: collections.Counter[int] = collections.Counter()
             for client in tenant_stat.clients:
                 leases_by_pid[client.pid] += client.leases
             for pid, leases in leases_by_pid.items():
@@ -107,7 +114,7 @@ class _UnixMetricsServer(socketserver.ThreadingMixIn, socketserver.UnixStreamSer
 
     daemon_threads = True
 
-    def __init__(self, path: str, handler):
+    def __init__(self, path: str, handler: type[BaseHTTPRequestHandler]) -> None:
         _refuse_live_socket(path)
         super().__init__(path, handler, bind_and_activate=False)
         # Bound inside a private directory, made 0600, then linked into place (link never replaces
@@ -166,7 +173,7 @@ def _refuse_live_socket(path: str) -> None:
     os.unlink(path)
 
 
-def start_metrics_server(daemon, address: str):
+def start_metrics_server(daemon: Daemon, address: str) -> socketserver.BaseServer:
     """Serve ``daemon``'s metrics on ``address`` (``HOST:PORT`` or ``unix:/path``) from a thread;
     the server answers ``shutdown()`` and ``server_close()``."""
     registry = CollectorRegistry()
@@ -175,9 +182,9 @@ def start_metrics_server(daemon, address: str):
         path = address[len(UNIX_PREFIX):]
         if not os.path.isabs(path):
             raise InvalidArgument(f"metrics address {address!r}: the Unix socket path must be absolute")
-        server = _UnixMetricsServer(path, _UnixHandler.factory(registry))
-        threading.Thread(target=server.serve_forever, name="shmt-metrics", daemon=True).start()
-        return server
+        unix_server = _UnixMetricsServer(path, _UnixHandler.factory(registry))
+        threading.Thread(target=unix_server.serve_forever, name="shmt-metrics", daemon=True).start()
+        return unix_server
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise InvalidArgument(f"metrics address {address!r} is neither HOST:PORT nor unix:/path")

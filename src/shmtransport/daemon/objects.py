@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import logging
 import time
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -54,6 +55,8 @@ from ..objtable import (
 )
 from ..v1 import daemon_pb2 as pb
 from .segments import Segment
+
+ReleaseBytes = Callable[[int], None]  # gives an arena offset back to the registry's allocator
 
 _log = logging.getLogger("shmtransport.daemon")
 _NEVER = 1 << 62  # alignment threshold the slot allocator never reaches: slots need only 64 bytes
@@ -107,7 +110,7 @@ class ObjectBook:
         self._bits[session_id] = bit
         return bit
 
-    def close_session(self, session_id: str, release_bytes) -> tuple[int, int]:
+    def close_session(self, session_id: str, release_bytes: ReleaseBytes) -> tuple[int, int]:
         """The session ended (closed or died): clear its bit everywhere, drop its proxy leases, and
         orphan its grants. Its bit is free again only after that, so no new session inherits a
         hold. Returns (holds it still had, bytes of the objects that died with them)."""
@@ -153,7 +156,7 @@ class ObjectBook:
         return pb.GrantResponse(grant_id=grant.grant_id, offset=offset, nbytes=nbytes,
                                 first_slot=first, nslots=nslots)
 
-    def give_back(self, session_id: str, grant_ids, release_bytes) -> None:
+    def give_back(self, session_id: str, grant_ids: Sequence[int], release_bytes: ReleaseBytes) -> None:
         """A producer returns grants it no longer places objects in; objects still alive in
         them keep the grant (orphaned) until they die. Returning one twice is harmless (a retried
         call); returning another session's is refused, before anything is returned."""
@@ -166,7 +169,7 @@ class ObjectBook:
                 grant.session_id = None
         self.reclaim_orphans(release_bytes)
 
-    def reclaim_orphans(self, release_bytes) -> int:
+    def reclaim_orphans(self, release_bytes: ReleaseBytes) -> int:
         """Free every orphaned grant whose objects are all dead; the bytes returned."""
         orphans = [g for g in self._grants.values() if g.session_id is None]
         if not orphans:
@@ -182,7 +185,7 @@ class ObjectBook:
             freed += grant.nbytes
         return freed
 
-    def take_parked(self, release_bytes) -> int:
+    def take_parked(self, release_bytes: ReleaseBytes) -> int:
         """Take back every grant a live producer parked (empty, kept for its next objects) so
         another producer can have the space; the bytes returned to the arena. The swap to TAKEN
         fails when the producer took the grant back first, and then it is left alone."""
@@ -215,7 +218,7 @@ class ObjectBook:
     HANDOFF_SCAN_S = 0.25
     RATE_SAMPLE_S = 0.5
 
-    def sweep(self, now: float, release_bytes, rate_window_s: float) -> None:
+    def sweep(self, now: float, release_bytes: ReleaseBytes, rate_window_s: float) -> None:
         """One janitor tick: orphaned grants every tick, hand-off windows and the allocation rate
         at their own pace."""
         self.reclaim_orphans(release_bytes)
@@ -355,7 +358,8 @@ class ObjectBook:
             infos.append(pb.ObjectInfo(
                 offset=int(cols["offset"][index]), nbytes=int(cols["nbytes"][index]), generation=generation,
                 slot=index + 1, state=self._STATE_NAMES.get(state, str(state)), handoff=bool(word & HANDOFF),
-                owner_session=session_of.get(owner_bit, ""), holder_sessions=sessions, age_s=age_s))
+                owner_session=session_of.get(owner_bit, ""), holder_sessions=sessions, age_s=age_s,
+                producer_held=bool(word >> owner_bit & 1)))
         return infos
 
     def close(self) -> None:

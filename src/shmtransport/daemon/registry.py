@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import enum
 import heapq
 import hmac
@@ -33,7 +32,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import Iterator, Sequence
 
 from .. import shm_names
 from ..allocator import PAGE, Allocator
@@ -48,92 +47,22 @@ from ..errors import (
     Unavailable,
 )
 from ..v1 import daemon_pb2 as pb
-from ..wire import MAX_BATCH
 from .objects import ObjectBook
+from .records import Allocation, LeaseRecord, ObjState, Session, TenantLimits
 from .segments import Segment, ShmReserve
 
 _log = logging.getLogger("shmtransport.daemon")
 _RATE_WINDOW_S = 5.0
+
+
 class _Deadline(enum.IntEnum):
     """What a TTL deadline in the heap ends (ordered after the time, so ties compare cheaply)."""
 
     HOLD = 0  # an object's hold or hand-off window; the entry's key is the Allocation's key
     LEASE = 1  # a lease's TTL; the entry's key is the lease id
+
+
 LIST_LIMIT = 10_000  # objects in one List answer (a 4 MiB message holds ~40k; the largest come first)
-
-
-class ObjState(enum.Enum):
-    LOANED = "loaned"
-    COMMITTED = "committed"
-
-
-@dataclasses.dataclass
-class Session:
-    session_id: str
-    pid: int
-    uid: int
-    # Local clients may hold views of leased bytes past the TTL: quarantine those. A remote peer
-    # has no view (it copies the bytes out), so its expired leases are simply reclaimed.
-    quarantine_expired: bool = True
-    # Bytes of the allocations this session holds a producer reference to, by their state. Kept
-    # at every transition (loan, commit, release, reclaim) so that Stat and the quota check cost
-    # O(1) per session instead of a walk over its objects under the registry lock.
-    loaned_nbytes: int = 0
-    committed_nbytes: int = 0
-    producer_refs: set[int] = dataclasses.field(default_factory=set)  # keys of their Allocations
-    leases: set[int] = dataclasses.field(default_factory=set)  # lease ids
-
-    @property
-    def owned_nbytes(self) -> int:
-        """Bytes counted against this session's quota: every allocation it holds a reference to."""
-        return self.loaned_nbytes + self.committed_nbytes
-
-
-@dataclasses.dataclass
-class Allocation:
-    key: int  # in ``_objects``: the arena offset, or ``-generation`` for a dedicated segment
-    nbytes: int
-    generation: int
-    owner: str  # session id of the producer
-    state: ObjState = ObjState.LOANED
-    producer_ref: bool = True
-    hold_until: float = 0.0  # monotonic deadline; 0 = no hold
-    handoff: bool = False  # the hold is the hand-off window: the first acquire ends it
-    leases: set[int] = dataclasses.field(default_factory=set)
-    commit_token: bytes = b""  # presenting it in Acquire commits the loan (commit by handoff)
-    # Dedicated segment per object (LoanRequest.dedicated): the object's own segment; its handle
-    # says offset 0.
-    segment: Segment | None = None
-    created_at: float = dataclasses.field(default_factory=time.monotonic)
-
-    @property
-    def offset(self) -> int:
-        """Where the bytes start in their segment: the arena offset, or 0 in a dedicated segment."""
-        return 0 if self.segment is not None else self.key
-
-
-@dataclasses.dataclass
-class LeaseRecord:
-    """A consumer's lease as the daemon books it (the RPC path)."""
-
-    lease_id: int
-    key: int  # of the leased Allocation
-    generation: int
-    session_id: str
-    expires_at: float
-    quarantined: bool = False  # outlived its TTL; its bytes stay until release or session death
-
-
-@dataclasses.dataclass(frozen=True)
-class TenantLimits:
-    quota_nbytes: int | None  # per tenant: arena + dedicated bytes; None: the arena size
-    quota_leases: int  # per tenant
-    default_lease_ttl_ms: int
-    max_lease_ttl_ms: int
-    default_hold_ms: int
-    max_hold_ms: int = 60_000
-    max_batch: int = MAX_BATCH
-    handoff_window_ms: int = 30_000
 
 
 class _CommitWaiter:
@@ -179,7 +108,7 @@ class Registry:
         # Times of the allocations of the last _RATE_WINDOW_S only (pruned on every append), so
         # memory and the cost of Stat stay proportional to the recent rate, not to uptime.
         self._alloc_times: collections.deque[float] = collections.deque()
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         self._waiting_lock = threading.Lock()  # taken with and without the registry lock
         self._waiting_calls = 0
         self.objects = objects
@@ -283,7 +212,7 @@ class Registry:
         self._freed.notify_all()
 
     # -- producer side ---------------------------------------------------------------------------
-    def loan(self, session_id: str, sizes: Iterable[int], wait_s: float = 0.0) -> pb.LoanResponse:
+    def loan(self, session_id: str, sizes: Sequence[int], wait_s: float = 0.0) -> pb.LoanResponse:
         """Allocate every size (all or nothing). When the arena is full, wait up to ``wait_s`` for
         other clients to free space (back-pressure) before refusing with ARENA_FULL."""
         sizes = self._sizes(sizes)
@@ -319,7 +248,7 @@ class Registry:
             self._note_allocations(len(sizes))
             return response
 
-    def loan_dedicated(self, session_id: str, sizes: Iterable[int]) -> pb.LoanResponse:
+    def loan_dedicated(self, session_id: str, sizes: Sequence[int]) -> pb.LoanResponse:
         """One new segment per size (all or nothing), named with a random suffix so nobody can
         plant a file under a future name. The bytes are reserved up front in the tenant's quota
         (so concurrent loans cannot overshoot it) and the segments created outside the lock,
@@ -404,10 +333,10 @@ class Registry:
         """Daemon shutdown: unlink every dedicated segment still registered."""
         with self._lock:
             segments = [self._objects[key].segment for key in self._dedicated.values()]
-        for seg in segments:
+        for seg in filter(None, segments):
             seg.unlink()
 
-    def commit(self, session_id: str, handles: Iterable[pb.Handle], hold_ms: int) -> None:
+    def commit(self, session_id: str, handles: Sequence[pb.Handle], hold_ms: int) -> None:
         self._check_batch(handles, "handles")
         handles = list(handles)
         hold_ms = hold_ms or self.limits.default_hold_ms
@@ -436,7 +365,7 @@ class Registry:
     def acquire(
         self,
         session_id: str,
-        handles: Iterable[pb.Handle],
+        handles: Sequence[pb.Handle],
         ttl_ms: int,
         commit_wait_s: float = 0.0,
         commit_tokens: Sequence[bytes] = (),
@@ -471,14 +400,14 @@ class Registry:
             lease_ids = [0] * len(handles)
             try:
                 for i in in_table:
-                    self.objects.proxy_acquire(session_id, handles[i], self._next_lease_id)
+                    self._table().proxy_acquire(session_id, handles[i], self._next_lease_id)
                     lease_ids[i] = self._next_lease_id
                     session.leases.add(self._next_lease_id)
                     self._next_lease_id += 1
             except BaseException:
                 for i in in_table:
                     if lease_ids[i]:
-                        self.objects.proxy_release(lease_ids[i])
+                        self._table().proxy_release(lease_ids[i])
                         session.leases.discard(lease_ids[i])
                 raise
             expires_at = time.monotonic() + ttl_ms / 1000
@@ -499,14 +428,13 @@ class Registry:
         self._check_instance_and_tenant(h)
         if h.name != self.segment_name:
             raise HandleError(f"an object-table handle names segment {h.name!r}, not this tenant's arena")
-        if self.objects is None:
-            raise HandleError("the handle names an object-table slot; this daemon has no object table")
+        table = self._table()
         if h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes:
             raise HandleError(
                 f"offset {h.offset} + nbytes {h.nbytes} outside the arena of {self.allocator.nbytes} bytes",
                 Reason.OUT_OF_BOUNDS,
             )
-        self.objects.proxy_check(h)
+        table.proxy_check(h)
 
     def _wait_committed(
         self, handles: list[pb.Handle], commit_tokens: Sequence[bytes], commit_wait_s: float
@@ -547,7 +475,7 @@ class Registry:
 
     # -- both ------------------------------------------------------------------------------------
     def release(
-        self, session_id: str, handles: Iterable[pb.Handle], lease_ids: Iterable[int], piggybacked: bool = False
+        self, session_id: str, handles: Sequence[pb.Handle], lease_ids: Sequence[int], piggybacked: bool = False
     ) -> None:
         """Drop producer references and leases, all or nothing. ``piggybacked`` releases (sent
         lazily with another call) skip entries that are already gone instead of failing."""
@@ -596,7 +524,7 @@ class Registry:
             for lease in leases:
                 self._drop_lease(lease, session)
             for lease_id in proxied:
-                self.objects.proxy_release(lease_id)
+                self._table().proxy_release(lease_id)
                 session.leases.discard(lease_id)
 
     def _still_held(
@@ -670,13 +598,15 @@ class Registry:
             pid_of = {session_id: s.pid for session_id, s in self._sessions.items()}
             infos = []
             for obj in self._objects.values():
+                leases = [self._leases[i] for i in sorted(obj.leases) if i in self._leases]
                 infos.append(pb.ObjectInfo(
                     offset=obj.offset, nbytes=obj.nbytes,
                     generation=obj.generation,
                     state="held" if obj.hold_until and not obj.handoff else obj.state.value, handoff=obj.handoff,
                     owner_session=obj.owner,
-                    holder_sessions=[self._leases[i].session_id for i in sorted(obj.leases) if i in self._leases],
-                    age_s=now - obj.created_at, segment_name=obj.segment.name if obj.segment is not None else ""))
+                    holder_sessions=[lease.session_id for lease in leases],
+                    age_s=now - obj.created_at, segment_name=obj.segment.name if obj.segment is not None else "",
+                    producer_held=obj.producer_ref, quarantined_leases=sum(lease.quarantined for lease in leases)))
             if self.objects is not None:
                 infos.extend(self.objects.list_objects())
             total = len(infos)
@@ -696,13 +626,14 @@ class Registry:
             recent = len(self._alloc_times)
             granted = self.objects.granted_nbytes if self.objects is not None else 0
             table = dict.fromkeys(("objects", "nbytes", "leases", "handoff", "reclaimed_handoff_objects",
-                                   "reclaimed_handoff_nbytes", "allocations_total", "allocations_per_s",
-                                   "parked_nbytes", "parked_grants_taken"), 0)
+                                   "reclaimed_handoff_nbytes", "allocations_total", "parked_nbytes",
+                                   "parked_grants_taken"), 0)
+            table_rate = 0.0
             if self.objects is not None:
                 table.update(self.objects.snapshot(), **self.objects.counters,
                              allocations_total=self.objects.allocations_total,
-                             parked_nbytes=self.objects.parked_nbytes,
-                             allocations_per_s=self.objects.allocation_rate(_RATE_WINDOW_S))
+                             parked_nbytes=self.objects.parked_nbytes)
+                table_rate = self.objects.allocation_rate(_RATE_WINDOW_S)
             clients = self._client_stats()
             a = self.allocator
             c = self.counters
@@ -731,7 +662,7 @@ class Registry:
                 quota_leases=self.limits.quota_leases,
                 clients=clients,
                 allocations_total=c["allocations_total"] + table["allocations_total"],
-                allocations_per_s=recent / _RATE_WINDOW_S + table["allocations_per_s"],
+                allocations_per_s=recent / _RATE_WINDOW_S + table_rate,
                 reclaimed_ttl_nbytes=c["reclaimed_ttl_nbytes"],
                 reclaimed_ttl_leases=c["reclaimed_ttl_leases"],
                 reclaimed_death_nbytes=c["reclaimed_death_nbytes"],
@@ -746,7 +677,7 @@ class Registry:
 
     # -- internals (lock held) -------------------------------------------------------------------
     @contextlib.contextmanager
-    def _waiting(self):
+    def _waiting(self) -> Iterator[None]:
         """Counted in Stat's ``waiting_calls`` meanwhile."""
         with self._waiting_lock:
             self._waiting_calls += 1
@@ -768,11 +699,17 @@ class Registry:
         while times and now - times[0] > _RATE_WINDOW_S:
             times.popleft()
 
-    def _check_batch(self, items: Sequence, what: str) -> None:
+    def _check_batch(self, items: Sequence[object], what: str) -> None:
         if not items:
             raise InvalidArgument(f"{what} must not be empty")
         if len(items) > self.limits.max_batch:
             raise InvalidArgument(f"{what}: {len(items)} entries exceed the batch limit {self.limits.max_batch}")
+
+    def _table(self) -> ObjectBook:
+        """The object table, for a handle already checked to name one of its slots."""
+        if self.objects is None:
+            raise HandleError("the handle names an object-table slot; this daemon has no object table")
+        return self.objects
 
     def _live_session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)

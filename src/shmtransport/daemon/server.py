@@ -14,8 +14,9 @@ import logging
 import os
 import queue
 import resource
+import socketserver
 import threading
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,7 +37,8 @@ from ..v1 import daemon_pb2_grpc as pb_grpc
 from ..wire import MAX_BATCH, SESSION_METADATA_KEY
 from .config import DaemonConfig
 from .objects import ObjectBook
-from .registry import Registry, TenantLimits
+from .records import TenantLimits
+from .registry import Registry
 from .segments import (
     Segment,
     ShmReserve,
@@ -44,7 +46,7 @@ from .segments import (
     sweep_dead_instances,
 )
 from .sessions import Admission, SessionServer
-from .socket_dir import claim
+from .socket_dir import SocketClaim, claim
 
 _log = logging.getLogger("shmtransport.daemon")
 
@@ -58,6 +60,7 @@ _SERVER_OPTIONS = [
 ]
 _DAEMON_METHOD_PREFIX = "/shmtransport.v1.Daemon/"
 _SWEEP_INTERVAL_S = 0.05
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -69,7 +72,7 @@ class Tenant:
     gid: int | None
     segment: Segment
     registry: Registry
-    wait_slots: queue.SimpleQueue
+    wait_slots: queue.SimpleQueue[None]
     objects: ObjectBook | None = None  # the tenant's object table, when the daemon keeps one
 
     def __repr__(self) -> str:
@@ -82,18 +85,18 @@ class Tenant:
 _DELIVERY_MARGIN_S = 0.05
 
 
-def bounded_wait(wait_s: float, context) -> float:
+def bounded_wait(wait_s: float, context: grpc.ServicerContext) -> float:
     """A wait that ends before the caller's deadline, so it gets our typed error, not a timeout."""
-    remaining = context.time_remaining()
+    remaining: float | None = context.time_remaining()  # None without a deadline (grpc-stubs: float)
     return wait_s if remaining is None else min(wait_s, max(0.0, remaining - _DELIVERY_MARGIN_S))
 
 
-def _caller_gone(context, remaining_at_start: float | None) -> bool:
+def _caller_gone(context: grpc.ServicerContext, remaining_at_start: float | None) -> bool:
     """The caller cancelled, or its deadline is too close for a reply to reach it (the margin is
     at most half of what the call arrived with, so short timeouts still work)."""
     if not context.is_active():
         return True
-    remaining = context.time_remaining()
+    remaining: float | None = context.time_remaining()  # None without a deadline (grpc-stubs: float)
     return remaining is not None and remaining < min(_DELIVERY_MARGIN_S, (remaining_at_start or 0.0) / 2)
 
 
@@ -106,23 +109,35 @@ class _SessionGate(grpc.ServerInterceptor):
     """Refuses Daemon calls without a live session token before their body is even parsed, so an
     unauthenticated peer costs no more than the bytes gRPC already bounds (MAX_REQUEST_NBYTES)."""
 
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: "Daemon") -> None:
         self._daemon = daemon
-        self._refusal = grpc.unary_unary_rpc_method_handler(self._refuse)  # no deserializer: raw bytes
+        # no deserializer: raw bytes
+        self._refusal: grpc.RpcMethodHandler[bytes, NoReturn] = grpc.unary_unary_rpc_method_handler(self._refuse)
 
     @staticmethod
-    def _refuse(_raw_request, context):
+    def _refuse(_raw_request: bytes, context: grpc.ServicerContext) -> NoReturn:
         raise _unknown_session()  # answered by the ErrorBoundary outside this gate
 
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         if handler_call_details.method.startswith(_DAEMON_METHOD_PREFIX):
             token = next((v for k, v in handler_call_details.invocation_metadata if k == SESSION_METADATA_KEY), None)
-            if token is None or self._daemon.sessions.session_for_token(token) is None:
+            sessions = self._daemon.sessions
+            if not isinstance(token, str) or sessions is None or sessions.session_for_token(token) is None:
                 return self._refusal
         return continuation(handler_call_details)
 
 
-def _check_release_counts(request) -> None:
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    _WithRelease: TypeAlias = pb.LoanRequest | pb.CommitRequest | pb.AcquireRequest  # with a piggybacked release
+
+
+def _check_release_counts(request: _WithRelease) -> None:
     """Counts of a piggybacked release, checked on the repeated fields before anything expands them."""
     if request.HasField("release"):
         count = len(request.release.handles) + len(request.release.lease_ids)
@@ -131,11 +146,11 @@ def _check_release_counts(request) -> None:
 
 
 class _Servicer(pb_grpc.DaemonServicer):
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: "Daemon") -> None:
         self._daemon = daemon
 
     @staticmethod
-    def _waiting(tenant: Tenant, wait_s: float, context, call: Callable[[float], object]):
+    def _waiting(tenant: Tenant, wait_s: float, context: grpc.ServicerContext, call: Callable[[float], _T]) -> _T:
         """``call(w)`` with a wait of up to ``wait_s`` (bounded by the caller's deadline) when one
         of the tenant's wait slots is free, else with no wait. Waiting calls park a worker thread:
         each tenant may park only its share of half the pool, so the other half always serves
@@ -151,26 +166,27 @@ class _Servicer(pb_grpc.DaemonServicer):
         finally:
             tenant.wait_slots.put(None)
 
-    def _session(self, context) -> tuple[str, Tenant]:
+    def _session(self, context: grpc.ServicerContext) -> tuple[str, Tenant]:
+        sessions = self._daemon.sessions
         for key, value in context.invocation_metadata():
             if key == SESSION_METADATA_KEY:
-                found = self._daemon.sessions.session_for_token(value)
+                found = sessions.session_for_token(value) if sessions is not None and isinstance(value, str) else None
                 if found is not None:
                     return found
                 break
         raise _unknown_session()
 
-    def Info(self, request, context):
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.ArenaInfo:
         _, tenant = self._session(context)
         return self._daemon.arena_info_of(tenant)
 
     @staticmethod
-    def _piggybacked_release(tenant: Tenant, session_id: str, request) -> None:
+    def _piggybacked_release(tenant: Tenant, session_id: str, request: _WithRelease) -> None:
         if request.HasField("release"):
             r = request.release
             tenant.registry.release(session_id, r.handles, r.lease_ids, piggybacked=True)
 
-    def Loan(self, request, context):
+    def Loan(self, request: pb.LoanRequest, context: grpc.ServicerContext) -> pb.LoanResponse:
         remaining_at_start = context.time_remaining()
         session_id, tenant = self._session(context)
         _check_release_counts(request)
@@ -188,7 +204,7 @@ class _Servicer(pb_grpc.DaemonServicer):
             raise DeadlineExceeded("the caller's deadline passed while the daemon placed this loan: undone")
         return response
 
-    def Grant(self, request, context):
+    def Grant(self, request: pb.GrantRequest, context: grpc.ServicerContext) -> pb.GrantResponse:
         remaining_at_start = context.time_remaining()
         session_id, tenant = self._session(context)
         registry = tenant.registry
@@ -200,14 +216,14 @@ class _Servicer(pb_grpc.DaemonServicer):
             raise DeadlineExceeded("the caller's deadline passed while the daemon made this grant: undone")
         return response
 
-    def Commit(self, request, context):
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         session_id, tenant = self._session(context)
         _check_release_counts(request)
         self._piggybacked_release(tenant, session_id, request)
         tenant.registry.commit(session_id, request.handles, request.hold_ms)
         return pb.CommitResponse()
 
-    def Acquire(self, request, context):
+    def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
         session_id, tenant = self._session(context)
         _check_release_counts(request)
         self._piggybacked_release(tenant, session_id, request)
@@ -219,20 +235,20 @@ class _Servicer(pb_grpc.DaemonServicer):
         )
         return pb.AcquireResponse(lease_ids=lease_ids)
 
-    def Release(self, request, context):
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         session_id, tenant = self._session(context)
         tenant.registry.release(session_id, request.handles, request.lease_ids, piggybacked=request.skip_gone)
         return pb.ReleaseResponse()
 
-    def Stat(self, request, context):
+    def Stat(self, request: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
         _, tenant = self._session(context)
         return self._daemon.stat(tenant)
 
-    def List(self, request, context):
+    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         _, tenant = self._session(context)
         return tenant.registry.list_objects(request.limit)
 
-    def Close(self, request, context):
+    def Close(self, request: pb.CloseRequest, context: grpc.ServicerContext) -> pb.CloseResponse:
         session_id, tenant = self._session(context)
         tenant.registry.close_session(session_id, closed_by_client=True)  # the socket's EOF then finds none
         return pb.CloseResponse()
@@ -245,8 +261,8 @@ class Daemon:
         self,
         config: DaemonConfig | None = None,
         extensions: Sequence[Callable[["Daemon", grpc.Server], Callable[[], None] | None]] = (),
-        **overrides,
-    ):
+        **overrides: Any,
+    ) -> None:
         """``extensions``: called with (daemon, grpc server) before the server starts, to add
         services (e.g. the remote tier); each may return a callable that stop() runs first."""
         self.config = dataclasses.replace(config or DaemonConfig(), **overrides)
@@ -257,12 +273,14 @@ class Daemon:
         self._state = "new"
         self._stop_event = threading.Event()
         self.tenants: list[Tenant] = []
-        self._claim = None  # the socket directory, lock and socket paths, from start() on
+        self._claim: SocketClaim | None = None  # the socket directory, lock and socket paths, from start() on
         self._socket_gid: int | None = None
         self._server: grpc.Server | None = None
-        self.sessions: SessionServer | None = None
+        self.sessions: SessionServer[Tenant] | None = None
         self._sweeper: threading.Thread | None = None
-        self._metrics_server = None
+        self._metrics_server: socketserver.BaseServer | None = None
+        # Set by the remote tier's extension when installed (its RemoteExtension, a layer above).
+        self.remote: object | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
@@ -350,7 +368,7 @@ class Daemon:
                 return tenant
         return None
 
-    def _admit(self, pid: int, uid: int, groups: Sequence[int], writable: bool) -> Admission:
+    def _admit(self, pid: int, uid: int, groups: Sequence[int], writable: bool) -> Admission[Tenant]:
         tenant = self._tenant_of(uid, groups)
         if tenant is None:
             raise PermissionDenied(f"uid {uid} is not allowed")
@@ -425,7 +443,8 @@ class Daemon:
             from .metrics import metrics_address, start_metrics_server
 
             address = metrics_address(cfg.metrics_port, cfg.metrics_address)
-            self._metrics_server = start_metrics_server(self, address)
+            if address is not None:  # always, with either set
+                self._metrics_server = start_metrics_server(self, address)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting, let calls in flight finish (bounded), unlink everything. Idempotent."""
@@ -464,12 +483,13 @@ class Daemon:
             if tenant.objects is not None:
                 tenant.objects.segment.unlink()
                 tenant.objects.close()
-        self._claim.release()  # both sockets and the lock file; never another daemon's
+        if self._claim is not None:  # always: the claim comes first in start()
+            self._claim.release()  # both sockets and the lock file; never another daemon's
 
     def __enter__(self) -> "Daemon":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     @property
@@ -516,6 +536,8 @@ def _dedicated_owner(uid: int | None, gid: int | None) -> tuple[int, int] | None
         if uid == euid:
             return (-1, -1)
         return (uid, -1) if euid == 0 else None
+    if gid is None:  # a tenant is a uid or a group: never both None
+        return None
     return (-1, gid) if euid == 0 or gid in os.getgroups() else None
 
 

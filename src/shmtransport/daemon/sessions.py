@@ -28,7 +28,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable, Generic, TypeVar, cast
 
 from google.protobuf.message import DecodeError
 
@@ -47,6 +47,7 @@ MAX_HANDSHAKE_NBYTES = 1024
 MAX_PENDING_PER_UID = 64
 _READ_WRITE = pb.SESSION_ACCESS_READ_WRITE
 _ACCESS = (pb.SESSION_ACCESS_READ_WRITE, pb.SESSION_ACCESS_READ_ONLY)
+_Tenant = TypeVar("_Tenant")  # what the daemon admits a peer to (its ``Tenant``)
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -64,11 +65,11 @@ def peer_groups(conn: socket.socket, gid: int) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Admission:
+class Admission(Generic[_Tenant]):
     """What ``admit`` grants a peer: its tenant, the hello's tenant-wide fields, and the fds to pass
     (the arena's, then the object table's when the tenant has one)."""
 
-    tenant: Any
+    tenant: _Tenant
     hello: pb.SessionHello
     fds: tuple[int, ...]  # passed to the client and closed here afterwards
 
@@ -83,24 +84,30 @@ class _Pending:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Open:
+class _Open(Generic[_Tenant]):
     session_id: str
     token: str
-    tenant: Any
+    tenant: _Tenant
 
 
-class SessionServer:
+def _conn(key: selectors.SelectorKey) -> socket.socket:
+    """The connection of a selector key whose data is a ``_Pending`` or an ``_Open``: only
+    accepted connections are registered with those."""
+    return cast(socket.socket, key.fileobj)
+
+
+class SessionServer(Generic[_Tenant]):
     """Accepts handshakes and watches open sessions on a selector thread."""
 
     def __init__(
         self,
         path: str,
         allowed: Callable[[int, tuple[int, ...]], bool],
-        admit: Callable[[int, int, tuple[int, ...], bool], Admission],
-        on_open: Callable[[str, int, int, Any], int | None],
-        on_close: Callable[[str, Any], None],
+        admit: Callable[[int, int, tuple[int, ...], bool], Admission[_Tenant]],
+        on_open: Callable[[str, int, int, _Tenant], int | None],
+        on_close: Callable[[str, _Tenant], None],
         socket_mode: int,
-    ):
+    ) -> None:
         """``allowed(uid, groups)``: whether a peer may handshake at all (checked at accept);
         ``admit(pid, uid, groups, writable)``: the peer's tenant and arena fd, or a
         ShmTransportError (e.g. its tenant's session limit) that the peer gets as its answer."""
@@ -109,7 +116,7 @@ class SessionServer:
         self._admit = admit
         self._on_open = on_open
         self._on_close = on_close
-        self._tokens: dict[str, _Open] = {}
+        self._tokens: dict[str, _Open[_Tenant]] = {}
         self._tokens_lock = threading.Lock()
         self._pending: dict[socket.socket, _Pending] = {}
         self._pending_per_uid: dict[int, int] = {}
@@ -128,7 +135,7 @@ class SessionServer:
     def start(self) -> None:
         self._thread.start()
 
-    def session_for_token(self, token: str) -> tuple[str, Any] | None:
+    def session_for_token(self, token: str) -> tuple[str, _Tenant] | None:
         """(session id, tenant) of a live session's token, else None."""
         with self._tokens_lock:
             opened = self._tokens.get(token)
@@ -141,7 +148,7 @@ class SessionServer:
             self._thread.join(timeout=5)
         for key in list(self._selector.get_map().values()):
             if isinstance(key.data, _Open):
-                self._drop(key.fileobj, key.data)
+                self._drop(_conn(key), key.data)
         for conn in list(self._pending):
             self._drop_pending(conn)
         self._selector.close()
@@ -165,9 +172,9 @@ class SessionServer:
                     if key.fileobj is self._listener:
                         self._accept()
                     elif isinstance(key.data, _Pending):
-                        self._read_handshake(key.fileobj, key.data)
+                        self._read_handshake(_conn(key), key.data)
                     elif isinstance(key.data, _Open):
-                        self._drop(key.fileobj, key.data)  # a session socket is readable: EOF or junk
+                        self._drop(_conn(key), key.data)  # a session socket is readable: EOF or junk
                 except Exception:  # a bug of ours on one connection must not end every session's watch
                     _log.exception("session event failed")
             self._expire_pending()
@@ -239,7 +246,7 @@ class SessionServer:
             return
         self._open(conn, pending, admission)
 
-    def _open(self, conn: socket.socket, pending: _Pending, admission: Admission) -> None:
+    def _open(self, conn: socket.socket, pending: _Pending, admission: Admission[_Tenant]) -> None:
         # Registered before the reply, so the client's first RPC finds its token; undone if the
         # client is already gone.
         opened = _Open(secrets.token_hex(8), secrets.token_hex(16), admission.tenant)
@@ -298,7 +305,7 @@ class SessionServer:
                           pending.pid, HANDSHAKE_TIMEOUT_S)
                 self._drop_pending(conn)
 
-    def _drop(self, conn: socket.socket, opened: _Open, registered: bool = True) -> None:
+    def _drop(self, conn: socket.socket, opened: _Open[_Tenant], registered: bool = True) -> None:
         if registered:
             try:
                 self._selector.unregister(conn)

@@ -14,7 +14,7 @@ import tempfile
 LOOPBACK = "127.0.0.1"
 
 
-def engine_environment(runtime_dir: str | os.PathLike | None = None) -> dict[str, str]:
+def engine_environment(runtime_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:
     """Variables to set before vLLM is imported (or in a child's environment).
 
     ``runtime_dir`` holds vLLM's IPC sockets and torch's compile cache (kept between runs when the
@@ -39,7 +39,7 @@ def engine_environment(runtime_dir: str | os.PathLike | None = None) -> dict[str
     }
 
 
-def apply(runtime_dir: str | os.PathLike | None = None) -> dict[str, str]:
+def apply(runtime_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:
     """Set ``engine_environment`` in this process (before importing vllm); returns it."""
     env = engine_environment(runtime_dir)
     os.environ.update(env)

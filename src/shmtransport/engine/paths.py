@@ -25,8 +25,11 @@ import os
 import time
 from typing import Sequence
 
+import grpc
+
 from ..client import Consumer, Producer
-from ..frontend.request import NO_INLINE, build_request
+from ..errors import InvalidArgument
+from ..frontend.request import NO_INLINE, BuiltRequest, build_request
 from ..protocol.items import FeatureItem
 from ..protocol.limits import DEFAULT_LIMITS
 from ..v1 import generate_pb2 as gpb
@@ -49,7 +52,8 @@ class Completion:
     total_s: float
 
 
-def _request(token_ids: Sequence[int], built, max_tokens: int, logprobs: int | None) -> gpb.GenerateRequest:
+def _request(token_ids: Sequence[int], built: BuiltRequest, max_tokens: int,
+             logprobs: int | None) -> gpb.GenerateRequest:
     req = gpb.GenerateRequest(request_id=f"shmt-{os.getpid()}-{next(_ids)}", multimodal=built.request)
     req.token_ids.ids.extend(token_ids)
     req.sampling.temperature = 0.0
@@ -60,7 +64,7 @@ def _request(token_ids: Sequence[int], built, max_tokens: int, logprobs: int | N
     return req
 
 
-def send_ours(channel, producer: Producer, token_ids: Sequence[int], features: Sequence[FeatureItem], *,
+def send_ours(channel: grpc.Channel, producer: Producer, token_ids: Sequence[int], features: Sequence[FeatureItem], *,
               max_tokens: int = 8, logprobs: int | None = 1, timeout_s: float = 300.0) -> Completion:
     """``shmtransport vllm-worker``: tensors into the arena (one copy, digest fused), handles on the wire."""
     stub = gpb_grpc.GeneratorStub(channel)
@@ -78,7 +82,7 @@ def send_ours(channel, producer: Producer, token_ids: Sequence[int], features: S
     return Completion(tokens, values, (first or time.perf_counter()) - t0, time.perf_counter() - t0)
 
 
-def send_stock(channel, producer: Producer | None, consumer: Consumer | None, token_ids: Sequence[int],
+def send_stock(channel: grpc.Channel, producer: Producer | None, consumer: Consumer | None, token_ids: Sequence[int],
                features: Sequence[FeatureItem], *, shm: bool, max_tokens: int = 8, logprobs: int | None = 1,
                timeout_s: float = 300.0) -> Completion:
     """vLLM's stock server through the SMG bridge; blake3 identities (SMG's ``mm_hashes``)."""
@@ -91,7 +95,11 @@ def send_stock(channel, producer: Producer | None, consumer: Consumer | None, to
     built = build_request(None, features, scheme="blake3", prompt_len=len(token_ids), mode="inline",
                           limits=_BRIDGE_LIMITS)
     req = _request(token_ids, built, max_tokens, logprobs)
-    smg = to_smg_shm(req, consumer, producer, limits=_BRIDGE_LIMITS) if shm else None
+    smg = None
+    if shm:
+        if producer is None:
+            raise InvalidArgument("send_stock(shm=True) needs a Producer: each tensor goes into its own segment")
+        smg = to_smg_shm(req, consumer, producer, limits=_BRIDGE_LIMITS)
     try:
         msg = smg.request if smg is not None else to_smg(req, consumer, limits=_BRIDGE_LIMITS)
         msg.stream = True

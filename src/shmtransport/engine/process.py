@@ -36,7 +36,7 @@ STOCK_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def stock_argv(model_dir: str, port: int, extra: Sequence[str] = ()) -> list[str]:
@@ -55,14 +55,14 @@ def worker_argv(model_dir: str, port: int, daemon_socket: str, extra: Sequence[s
 class EngineServer:
     """A server process tree; ``address`` is ``127.0.0.1:PORT``. A context manager."""
 
-    def __init__(self, argv: Sequence[str], port: int, *, runtime_dir: str | os.PathLike,
-                 log_path: str | os.PathLike, env: dict[str, str] | None = None):
+    def __init__(self, argv: Sequence[str], port: int, *, runtime_dir: str | os.PathLike[str],
+                 log_path: str | os.PathLike[str], env: dict[str, str] | None = None):
         self.argv = list(argv)
         self.port = port
         self.address = f"{LOOPBACK}:{port}"
         self.log_path = pathlib.Path(log_path)
         self._env = {**os.environ, **engine_environment(runtime_dir), **(env or {})}
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def launch(self) -> "EngineServer":
         """Start the process tree without waiting (several servers can then start side by side)."""
@@ -91,7 +91,9 @@ class EngineServer:
                     raise Unavailable(f"engine server exited with {self.proc.returncode if self.proc else None}:\n"
                                       f"{self.log_tail()}")
                 try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    # types-grpcio-health-checking's HealthStub omits the Check callable its __init__ sets
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""),  # type: ignore[attr-defined]
+                                       timeout=2.0)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
@@ -129,7 +131,7 @@ class EngineServer:
     def __enter__(self) -> "EngineServer":
         return self.start() if self.proc is None else self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -143,8 +145,8 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def start_stock_and_ours(model_dir: str, daemon_socket: str, *, runtime_dir: str | os.PathLike,
-                         log_dir: str | os.PathLike, timeout_s: float = 600.0) -> dict[str, EngineServer]:
+def start_stock_and_ours(model_dir: str, daemon_socket: str, *, runtime_dir: str | os.PathLike[str],
+                         log_dir: str | os.PathLike[str], timeout_s: float = 600.0) -> dict[str, EngineServer]:
     """vLLM's stock server and our worker over the same model, started side by side; both SERVING
     on return (or both stopped and the error raised)."""
     stock_port, ours_port = free_port(), free_port()

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from ..embedmask import PlaceholderRange
 from ..protocol.items import FeatureItem, FieldConfig
 from . import tiny_model
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
@@ -68,7 +71,7 @@ class Prompt:
 class Qwen2VLRenderer:
     """The real Qwen2-VL image and video processors of a model directory (no hub access)."""
 
-    def __init__(self, model_dir: str | os.PathLike, *, pixel_dtype: str = "uint8"):
+    def __init__(self, model_dir: str | os.PathLike[str], *, pixel_dtype: str = "uint8"):
         """``pixel_dtype``: ``uint8`` (raw bytes, the compact form) or ``float32`` (the same values
         as floats, as a renderer that resizes in floating point hands them over)."""
         from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -96,11 +99,11 @@ class Qwen2VLRenderer:
                   grid_key: FieldConfig(keep_on_cpu=True)}
         return Rendered(modality, {pixel_key: pixels, grid_key: grid}, fields, int(grid.prod()) // self.merge ** 2)
 
-    def image(self, image) -> Rendered:
+    def image(self, image: Image.Image) -> Rendered:
         out = self.image_processor(images=[image], return_tensors="np", do_rescale=False, do_normalize=False)
         return self._item("image", out["pixel_values"], out["image_grid_thw"][0])
 
-    def video(self, frames: Sequence) -> Rendered:
+    def video(self, frames: Sequence[Image.Image]) -> Rendered:
         """``frames``: PIL images (an even count: frames are paired into temporal patches)."""
         video = np.stack([np.asarray(f.convert("RGB")) for f in frames])  # (T, H, W, 3)
         out = self.video_processor(videos=[video], return_tensors="np", do_rescale=False, do_normalize=False,

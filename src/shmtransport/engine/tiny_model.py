@@ -18,6 +18,8 @@ import json
 import os
 import pathlib
 
+from ..errors import InternalError
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
 PATCH, TEMPORAL_PATCH, MERGE = 14, 2, 2
@@ -58,7 +60,13 @@ def _tokenizer(directory: pathlib.Path) -> dict[str, int]:
                                    additional_special_tokens=list(SPECIAL_TOKENS[1:]))
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
-    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(t)
+        if token_id is None:  # trained as special tokens: always in the vocabulary
+            raise InternalError(f"the trained tokenizer has no id for {t!r}")
+        ids[t] = token_id
+    return ids
 
 
 def _processor_configs(directory: pathlib.Path) -> None:
@@ -76,7 +84,7 @@ def _processor_configs(directory: pathlib.Path) -> None:
     (directory / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
 
 
-def build(directory: str | os.PathLike, *, seed: int = 0) -> pathlib.Path:
+def build(directory: str | os.PathLike[str], *, seed: int = 0) -> pathlib.Path:
     """Write the model to ``directory`` (created; reused when it already holds this build)."""
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -112,7 +120,7 @@ def build(directory: str | os.PathLike, *, seed: int = 0) -> pathlib.Path:
     return directory
 
 
-def special_token_ids(directory: str | os.PathLike) -> dict[str, int]:
+def special_token_ids(directory: str | os.PathLike[str]) -> dict[str, int]:
     """The ids of Qwen2-VL's special tokens in a built model's tokenizer."""
     config = json.loads((pathlib.Path(directory) / "config.json").read_text())
     return {"image_pad": config["image_token_id"], "video_pad": config["video_token_id"],

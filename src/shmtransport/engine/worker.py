@@ -25,11 +25,12 @@ broadcast queue (one more copy) before the encoder runs.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
 import sys
-from typing import Any
+from typing import Any, AsyncIterator, cast
 
 import grpc
 
@@ -38,16 +39,20 @@ from ..error_boundary import AioErrorBoundary
 from ..errors import InvalidArgument, ShmTransportError
 from ..protocol import sampling as sampling_mod
 from ..protocol.capabilities import server_info
+from ..protocol.items import FieldConfig
 from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
-from ..worker.request import open_request
+from ..worker.request import EngineInputs, open_request
 from . import environment
 
 _FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
+_UnaryContext = grpc.aio.ServicerContext[gpb.GenerateRequest, gpb.GenerateResponse]
+# GenerateStream also runs under Generate's (unary) context
+_StreamContext = grpc.aio.ServicerContext[gpb.GenerateRequest, gpb.GenerateStreamChunk] | _UnaryContext
 
 
-def vllm_field(config):
+def vllm_field(config: FieldConfig) -> Any:
     """Our FieldConfig -> vLLM's field object (the one an item's element carries)."""
     from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFlatField, MultiModalSharedField
 
@@ -58,7 +63,7 @@ def vllm_field(config):
     return MultiModalSharedField(batch_size=config.batch_size, keep_on_cpu=config.keep_on_cpu)
 
 
-def engine_prompt(prompt_token_ids: list[int], inputs) -> dict[str, Any]:
+def engine_prompt(prompt_token_ids: list[int], inputs: EngineInputs) -> dict[str, Any]:
     """``EngineInputs`` (zero-copy views) -> vLLM's ``mm_input``."""
     from vllm.inputs.engine import mm_input
     from vllm.multimodal.inputs import (
@@ -68,8 +73,8 @@ def engine_prompt(prompt_token_ids: list[int], inputs) -> dict[str, Any]:
         PlaceholderRange,
     )
 
-    items: dict[str, list] = {}
-    placeholders: dict[str, list] = {}
+    items: dict[str, list[Any]] = {}
+    placeholders: dict[str, list[Any]] = {}
     for modality, kw_list in inputs.mm_kwargs.items():
         items[modality] = [
             MultiModalKwargsItem({key: MultiModalFieldElem(data=tensor, field=vllm_field(fields[key]))
@@ -82,11 +87,12 @@ def engine_prompt(prompt_token_ids: list[int], inputs) -> dict[str, Any]:
     missing = [m for m in items if len(hashes.get(m, ())) != len(items[m])]
     if missing:  # vLLM keys its caches on these and trusts them: never make one up
         raise InvalidArgument(f"every item needs its identity (mm_hash) for vLLM; missing for {missing}")
-    return mm_input(prompt_token_ids=prompt_token_ids, mm_kwargs=MultiModalKwargsItems(items), mm_hashes=hashes,
-                    mm_placeholders=placeholders)
+    # vLLM's mm_input builds a TypedDict (MultiModalInputs): a dict of str keys
+    return cast("dict[str, Any]", mm_input(prompt_token_ids=prompt_token_ids, mm_kwargs=MultiModalKwargsItems(items),
+                                           mm_hashes=hashes, mm_placeholders=placeholders))
 
 
-def sampling_params(request: gpb.GenerateRequest):
+def sampling_params(request: gpb.GenerateRequest) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -100,17 +106,19 @@ def sampling_params(request: gpb.GenerateRequest):
 class VllmGeneratorService(gpb_grpc.GeneratorServicer):
     """Generate / GenerateStream / GetServerInfo over an AsyncLLM."""
 
-    def __init__(self, engine, consumer: Consumer, *, verify: str = "always", limits: Limits = DEFAULT_LIMITS):
+    def __init__(self, engine: Any, consumer: Consumer, *, verify: str = "always",
+                 limits: Limits = DEFAULT_LIMITS) -> None:
         self.engine = engine
         self.consumer = consumer
         self.verify = verify
         self.limits = limits
         self._info = server_info(limits, native_generate=True)
 
-    async def GetServerInfo(self, request, context):
+    async def GetServerInfo(self, request: gpb.ServerInfoRequest,
+                            context: grpc.aio.ServicerContext[gpb.ServerInfoRequest, gpb.ServerInfo]) -> gpb.ServerInfo:
         return self._info
 
-    def _prepare(self, request: gpb.GenerateRequest):
+    def _prepare(self, request: gpb.GenerateRequest) -> tuple[dict[str, Any], Any]:
         """Off the event loop: validate, acquire (one RPC), verify identities, build vLLM's input."""
         prompt = sampling_mod.prompt_token_ids(request)
         params = sampling_params(request)
@@ -126,14 +134,15 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
         finally:
             inputs.consumed()  # deferred by the client until vLLM drops its last view of the bytes
 
-    async def _outputs(self, request: gpb.GenerateRequest):
+    async def _outputs(self, request: gpb.GenerateRequest) -> AsyncIterator[tuple[Any, int]]:
         loop = asyncio.get_running_loop()
         prompt, params = await loop.run_in_executor(None, self._prepare, request)
         request_id = request.request_id or f"shmt-{id(request):x}"
         async for out in self.engine.generate(prompt=prompt, sampling_params=params, request_id=request_id):
             yield out, len(prompt["prompt_token_ids"])
 
-    async def GenerateStream(self, request, context):
+    async def GenerateStream(self, request: gpb.GenerateRequest,
+                             context: _StreamContext) -> AsyncIterator[gpb.GenerateStreamChunk]:
         first = True
         total = 0
         try:
@@ -159,14 +168,14 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
         except (ValueError, TypeError) as exc:  # vLLM's own validation of the request
             raise InvalidArgument(f"engine rejected the request: {exc}") from exc
 
-    async def Generate(self, request, context):
+    async def Generate(self, request: gpb.GenerateRequest, context: _UnaryContext) -> gpb.GenerateResponse:
         from ..protocol.folding import fold
 
         chunks = [c async for c in self.GenerateStream(request, context)]
         return fold(chunks, request_id=request.request_id)
 
 
-def _chunk(completion, *, params_logprobs: bool) -> gpb.GenerateStreamChunk:
+def _chunk(completion: Any, *, params_logprobs: bool) -> gpb.GenerateStreamChunk:
     ids = list(completion.token_ids)
     chunk = gpb.GenerateStreamChunk(index=0, num_tokens=len(ids), token_ids=ids)
     if params_logprobs and completion.logprobs:
@@ -177,7 +186,7 @@ def _chunk(completion, *, params_logprobs: bool) -> gpb.GenerateStreamChunk:
     return chunk
 
 
-async def serve(args) -> None:
+async def serve(args: argparse.Namespace) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -21,10 +21,11 @@ import itertools
 import json
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from ..client import Handle, Loan, Producer
 from ..errors import (
@@ -120,7 +121,7 @@ class Outcome:
         return self.timing["on_device"] - self.t_start if "on_device" in self.timing else None
 
 
-def _set_controls(msg, values: dict[str, Any] | None) -> None:
+def _set_controls(msg: Message, values: dict[str, Any] | None) -> None:
     for name, value in (values or {}).items():
         field = getattr(msg, name)
         if isinstance(value, dict):
@@ -150,12 +151,13 @@ class Frontend:
     def __enter__(self) -> "Frontend":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def server_info(self) -> gpb.ServerInfo:
         try:
-            return self.stub.GetServerInfo(gpb.ServerInfoRequest(), timeout=self.timeout_s)
+            info: gpb.ServerInfo = self.stub.GetServerInfo(gpb.ServerInfoRequest(), timeout=self.timeout_s)
+            return info
         except grpc.RpcError as err:
             raise self._typed(err) from None
 
@@ -277,7 +279,7 @@ class Frontend:
 
     def generate(self, items: Sequence[Item], text: str = "describe this", *, stream: bool = True,
                  cancel_after: int | None = None, metadata: Sequence[tuple[str, str]] | None = None,
-                 **build_options) -> Outcome:
+                 **build_options: Any) -> Outcome:
         return self.send(self.build(items, text, **build_options), stream=stream, cancel_after=cancel_after,
                          metadata=metadata)
 
@@ -291,11 +293,11 @@ class Frontend:
         return exc
 
 
-def _timing(call) -> dict[str, float]:
+def _timing(call: grpc.Call) -> dict[str, float]:
     try:
         for key, value in call.trailing_metadata() or ():
             if key == TIMING_KEY:
-                return json.loads(value)
+                return cast("dict[str, float]", json.loads(value))  # the worker's {stage: seconds}
     except Exception:  # noqa: BLE001 - timing is informational
         pass
     return {}

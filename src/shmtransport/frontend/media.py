@@ -22,17 +22,26 @@ into a loan (same). The Whisper feature extractor's log-mel output is a fresh ar
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from ..protocol.spec import MERGE, PATCH_DIM
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ..client import Loan
+
+    # where image_into writes pixel_values: a plain array or a shared-memory loan (its .array)
+    PixelBuffer = npt.NDArray[np.float32] | Loan
 
 SAMPLE_RATE = 16_000
 TEMPORAL_PATCH = 2
 
 
-def synthetic_image(width: int, height: int, seed: int = 0):
+def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
     """A PIL image with gradients, shapes and text-like strokes (deterministic per seed)."""
     from PIL import Image, ImageDraw
 
@@ -52,7 +61,7 @@ def synthetic_image(width: int, height: int, seed: int = 0):
     return img
 
 
-def synthetic_video(frames: int, width: int, height: int, seed: int = 0) -> list:
+def synthetic_video(frames: int, width: int, height: int, seed: int = 0) -> list[Image.Image]:
     """``frames`` PIL frames: a shape moving over a gradient."""
     from PIL import ImageDraw
 
@@ -93,7 +102,7 @@ def synthetic_features(modality: str, *, grid: tuple[int, int, int] = (1, 32, 32
 class Renderer:
     """The real processors, constructed offline with their defaults."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         try:
             from transformers import Qwen2VLImageProcessorPil as ImageProcessor  # no torchvision needed
         except ImportError:
@@ -103,25 +112,27 @@ class Renderer:
         self.image_processor = ImageProcessor()
         self.audio_extractor = WhisperFeatureExtractor()
 
-    def image(self, image) -> dict[str, np.ndarray]:
+    def image(self, image: Image.Image) -> dict[str, np.ndarray]:
         out = self.image_processor(images=[image], return_tensors="np")
         return {"pixel_values": np.asarray(out["pixel_values"]), "image_grid_thw": np.asarray(out["image_grid_thw"])}
 
-    def image_into(self, image, alloc) -> tuple[Any, np.ndarray]:
+    def image_into(self, image: Image.Image, alloc: Callable[[tuple[int, ...]], PixelBuffer]
+                   ) -> tuple[PixelBuffer, np.ndarray]:
         """Render one image with its ``pixel_values`` written straight into ``alloc(shape)`` (e.g. a
         shared-memory loan's array): the processor's own last step — the patchify transpose, the
         one copy it makes anyway — writes into that buffer instead of a fresh array. Returns
         ``(alloc's buffer, image_grid_thw)``. Needs the PIL processor's ``patchify`` (transformers
         >= 5); older processors fall back to one copy of their output into the buffer."""
         proc = self.image_processor
-        captured: dict[str, Any] = {}
+        captured: dict[str, PixelBuffer] = {}
         if not hasattr(type(proc), "patchify"):
             out = self.image(image)
             buf = alloc(out["pixel_values"].shape)
             np.copyto(buf if isinstance(buf, np.ndarray) else buf.array, out["pixel_values"])
             return buf, out["image_grid_thw"]
 
-        def patchify(img, patch_size, merge_size, temporal_patch_size):
+        def patchify(img: Any, patch_size: int, merge_size: int,
+                     temporal_patch_size: int) -> tuple[npt.NDArray[np.float32], int, int]:
             img = np.asarray(img, dtype=np.float32)
             c, height, width = img.shape
             gh, gw = height // patch_size, width // patch_size
@@ -139,15 +150,15 @@ class Renderer:
         try:
             out = proc(images=[image], return_tensors="np")
         except BaseException:
-            buf = captured.get("buf")
-            if buf is not None and hasattr(buf, "release"):
-                buf.release()
+            held = captured.get("buf")
+            if held is not None and hasattr(held, "release"):
+                held.release()
             raise
         finally:
             del proc.patchify
         return captured["buf"], np.asarray(out["image_grid_thw"])
 
-    def video_frames(self, frames: list) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+    def video_frames(self, frames: list[Image.Image]) -> tuple[list[np.ndarray], tuple[int, int, int]]:
         """Per-frame processor output (each row duplicates its frame over the temporal patch) and
         the video grid (t, h, w); an odd frame count repeats the last frame (as Qwen2-VL pads)."""
         if len(frames) % TEMPORAL_PATCH:

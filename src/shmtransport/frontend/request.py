@@ -20,11 +20,13 @@ import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import objtable
 from ..client import Handle, Producer
+from ..embedmask import PlaceholderRange
 from ..errors import IdentityMismatch, InvalidArgument
-from ..identity import DEFAULT_SCHEME, cache_identifier, combine, identity_scheme, tensor_digest
+from ..identity import DEFAULT_SCHEME, IdentityScheme, cache_identifier, combine, identity_scheme, tensor_digest
 from ..protocol import routing
 from ..protocol.envelope import decode_envelope
 from ..protocol.items import FeatureItem, modality_to_pb
@@ -35,6 +37,14 @@ from ..tensors import DTYPES, as_byte_array, to_torch
 from ..v1 import features_pb2 as fpb
 
 MODES = ("shm", "inline", "msgpack")
+
+# A copied tensor: (shaped array or torch tensor for put, flat uint8 bytes, dtype, shape).
+_Source = tuple[Any, npt.NDArray[np.uint8], str, tuple[int, ...]]
+# (item index, key, tensor): a tensor to copy, or a ``Handle`` already in shared memory.
+_SourceEntry = tuple[int, str, Handle | _Source]
+_CopiedEntry = tuple[int, str, _Source]
+# identity.combine's per-tensor entry: (key, dtype, shape, nbytes, digest)
+_IdentityEntry = tuple[str, str, Sequence[int], int, bytes]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +99,11 @@ class BuiltRequest:
     def __enter__(self) -> "BuiltRequest":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
-def placeholder_to_proto(p) -> fpb.PlaceholderRange:
+def placeholder_to_proto(p: PlaceholderRange) -> fpb.PlaceholderRange:
     if p.offset + p.length > U32_MAX:
         raise InvalidArgument(f"placeholder [{p.offset}, {p.offset + p.length}) does not fit uint32 positions")
     msg = fpb.PlaceholderRange(offset=p.offset, length=p.length)
@@ -113,7 +123,7 @@ def placeholder_to_json(msg: fpb.PlaceholderRange) -> Any:
     return {"offset": msg.offset, "length": msg.length, "is_embed": [bool(b) for b in bools]}
 
 
-def _source(key: str, value: Any):
+def _source(key: str, value: Any) -> _Source:
     """(shaped array or torch tensor for put, flat uint8 bytes, dtype, shape) of a tensor-like."""
     if isinstance(value, tuple):
         dtype, shape, buf = value
@@ -160,21 +170,25 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
                         for i, it in enumerate(items)], prompt_len)
 
     # -- tensors: one put_many for the whole request (one Loan RPC, one copy per tensor) ------------
-    sources: list[tuple[int, str, Any]] = []  # (item index, key, source tuple)
+    sources: list[_SourceEntry] = []  # (item index, key, source tuple or Handle)
     total = 0
     for i, it in enumerate(items):
         if mode == "msgpack":
             continue
         for key in sorted(it.kwargs):
             value = it.kwargs[key]
-            src = value if isinstance(value, Handle) else _source(key, value)
-            total += 0 if isinstance(value, Handle) else src[1].nbytes
+            if isinstance(value, Handle):
+                sources.append((i, key, value))
+                continue
+            src = _source(key, value)
+            total += src[1].nbytes
             sources.append((i, key, src))
     if mode == "inline" and total > limits.max_inline_bytes:
         raise limit_exceeded("max_inline_bytes", total, limits.max_inline_bytes)
     shm_index: dict[tuple[int, str], int] = {}
-    to_put = []
+    to_put: list[Any] = []
     inline_nbytes = total
+    put: list[Handle] = []
     if mode == "shm":
         for i, key, src in _to_shared_memory(sources, total, inline, limits):
             shm_index[(i, key)] = len(to_put)
@@ -182,20 +196,23 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
             inline_nbytes -= src[1].nbytes
         if limits.max_shm_bytes is not None and total - inline_nbytes > limits.max_shm_bytes:
             raise limit_exceeded("max_shm_bytes", total - inline_nbytes, limits.max_shm_bytes)
-    put = producer.put_many(to_put, digest=spec.uses_fused_digest) if to_put else []
+        if to_put:
+            assert producer is not None  # checked above: mode "shm" needs a Producer
+            put = producer.put_many(to_put, digest=spec.uses_fused_digest)
     try:
         request = _assemble(items, sources, shm_index, put, spec, adapter, prompt_len, mode, with_markers, limits)
     except BaseException:
-        if put:
+        if put and producer is not None:
             producer.release(put)
         raise
     return BuiltRequest(request, producer, put, inline_nbytes)
 
 
-def _to_shared_memory(sources, total: int, inline: InlinePolicy, limits: Limits) -> list:
+def _to_shared_memory(sources: list[_SourceEntry], total: int, inline: InlinePolicy,
+                      limits: Limits) -> list[_CopiedEntry]:
     """The copied tensors of a ``"shm"`` request that go into shared memory; the rest ride inline
     (smallest first, within the inline item and byte limits)."""
-    copied = [s for s in sources if not isinstance(s[2], Handle)]
+    copied: list[_CopiedEntry] = [(i, key, src) for i, key, src in sources if not isinstance(src, Handle)]
     referenced = len(copied) < len(sources)
     if not referenced and total < inline.request_below_nbytes:
         below = len(copied)  # the whole request inline: no round trip to the daemon
@@ -213,10 +230,12 @@ def _to_shared_memory(sources, total: int, inline: InlinePolicy, limits: Limits)
     return ranked[below:]
 
 
-def _assemble(items, sources, shm_index, put, spec, adapter, prompt_len, mode, with_markers, limits):
+def _assemble(items: Sequence[FeatureItem], sources: list[_SourceEntry], shm_index: dict[tuple[int, str], int],
+              put: list[Handle], spec: IdentityScheme, adapter: str | None, prompt_len: int | None, mode: str,
+              with_markers: bool, limits: Limits) -> fpb.MultimodalRequest:
     scheme = spec.name
     tensors: dict[int, dict[str, fpb.TensorData]] = {}
-    entries: dict[int, list] = {}
+    entries: dict[int, list[_IdentityEntry]] = {}
     for i, key, src in sources:
         if isinstance(src, Handle):
             if spec.uses_fused_digest and not src.digest:
@@ -256,7 +275,7 @@ def _assemble(items, sources, shm_index, put, spec, adapter, prompt_len, mode, w
             if inline_bytes > limits.max_inline_bytes:
                 raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes)
             msg.kwargs_msgpack = raw
-            if spec.over_msgpack:
+            if spec.msgpack_identity is not None:  # spec.over_msgpack
                 identity = spec.msgpack_identity(it.modality, raw)
             else:
                 from ..protocol.msgpack_kwargs import decode_kwargs_item

@@ -1,6 +1,8 @@
 """What we advertise: ``ServerInfo`` (shm namespace, identity schemes, limits, native Generate)."""
 from __future__ import annotations
 
+import grpc
+
 from ..identity import SCHEMES
 from ..shm_names import shm_namespace_id
 from ..v1 import generate_pb2 as gpb
@@ -31,5 +33,5 @@ class ServerInfoServicer(gpb_grpc.GeneratorServicer):
     def __init__(self, limits: Limits = DEFAULT_LIMITS, native_generate: bool = False):
         self._info = server_info(limits, native_generate=native_generate)
 
-    def GetServerInfo(self, request, context):
+    def GetServerInfo(self, request: gpb.ServerInfoRequest, context: grpc.ServicerContext) -> gpb.ServerInfo:
         return self._info

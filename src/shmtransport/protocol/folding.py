@@ -32,8 +32,8 @@ class MalformedResponse(InvalidArgument):
     """A response stream that breaks the protocol (counts, alignment, terminal state, mask)."""
 
 
-def _logprobs(values, where: str) -> list[float]:
-    out = []
+def _logprobs(values: Iterable[float], where: str) -> list[float]:
+    out: list[float] = []
     for i, v in enumerate(values):
         if math.isnan(v):
             raise MalformedResponse(f"{where}: logprob[{i}] is NaN")

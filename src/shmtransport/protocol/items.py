@@ -11,9 +11,9 @@ from ..v1 import features_pb2 as fpb
 FIELD_KINDS = ("batched", "flat", "shared")
 
 _MODALITY_TO_PB = {"image": fpb.MODALITY_IMAGE, "video": fpb.MODALITY_VIDEO, "audio": fpb.MODALITY_AUDIO}
-_PB_TO_MODALITY = {v: k for k, v in _MODALITY_TO_PB.items()}
+_PB_TO_MODALITY: dict[int, str] = {v: k for k, v in _MODALITY_TO_PB.items()}
 _KIND_TO_PB = {"batched": fpb.FIELD_KIND_BATCHED, "flat": fpb.FIELD_KIND_FLAT, "shared": fpb.FIELD_KIND_SHARED}
-_PB_TO_KIND = {v: k for k, v in _KIND_TO_PB.items()}
+_PB_TO_KIND: dict[int, str] = {v: k for k, v in _KIND_TO_PB.items()}
 
 
 def modality_to_pb(name: str) -> int:
@@ -36,7 +36,7 @@ class FieldConfig:
 
     kind: str = "batched"
     keep_on_cpu: bool = False
-    slices: tuple = ()  # flat: each entry a slice or a tuple of slices
+    slices: tuple[slice | tuple[slice, ...], ...] = ()  # flat: each entry a slice or a tuple of slices
     dim: int = 0  # flat
     batch_size: int = 0  # shared
 
@@ -65,7 +65,7 @@ class FieldConfig:
         if msg.kind not in _PB_TO_KIND:
             raise InvalidArgument(f"field layout kind must be BATCHED, FLAT or SHARED, got {msg.kind}")
         kind = _PB_TO_KIND[msg.kind]
-        slices = []
+        slices: list[slice | tuple[slice, ...]] = []
         for spec in msg.slices:
             items = tuple(
                 slice(*(getattr(s, n) if s.HasField(n) else None for n in ("start", "stop", "step")))
@@ -78,14 +78,14 @@ class FieldConfig:
                    msg.batch_size if kind == "shared" else 0)
 
     # -- vLLM's msgpack tuple -------------------------------------------------------------------
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         # Option order is vLLM's: its encoder writes dataclasses.fields(field), keep_on_cpu first.
         if self.kind == "batched":
             return ["batched", {"keep_on_cpu": self.keep_on_cpu}]
         if self.kind == "shared":
             return ["shared", {"keep_on_cpu": self.keep_on_cpu, "batch_size": self.batch_size}]
 
-        def bounds(s: slice) -> list:  # vLLM's enc_hook: (int(v) or None for start, stop, step)
+        def bounds(s: slice) -> list[int | None]:  # vLLM's enc_hook: (int(v) or None for start, stop, step)
             return [None if v is None else int(v) for v in (s.start, s.stop, s.step)]
 
         wire = [[bounds(s) for s in e] if isinstance(e, (tuple, list)) else bounds(e) for e in self.slices]

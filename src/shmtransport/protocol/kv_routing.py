@@ -34,13 +34,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import xxhash
 
 from ..embedmask import EmbedMask
 from ..errors import InvalidArgument
+from ..v1 import features_pb2 as fpb
 from . import routing
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ def routing_tokens(token_ids: Sequence[int], items: Sequence[RoutingItem]) -> tu
     for it in ordered:
         pad = routing.pad_value(it.mm_hash)
         if it.is_embed is None:
-            positions = range(it.offset, it.offset + it.length)
+            positions: Iterable[int] = range(it.offset, it.offset + it.length)
         else:
             positions = (it.offset + int(i) for i in it.is_embed.indices())
         for p in positions:
@@ -155,7 +156,7 @@ def routing_identity(token_ids: Sequence[int], items: Sequence[RoutingItem], *, 
     return RoutingIdentity(tokens, blocks, sequence_hashes(blocks), reason)
 
 
-def items_from_request(request: Any) -> list[RoutingItem]:
+def items_from_request(request: fpb.MultimodalRequest) -> list[RoutingItem]:
     """Frontend view: items of a typed ``MultimodalRequest`` (features_pb2)."""
     from .items import modality_from_pb
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import msgpack
 import numpy as np
@@ -54,13 +54,17 @@ _SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 
           0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}
 _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 _UINT = {1: "B", 2: ">H", 4: ">I"}
+# An Ext(3) span in the raw bytes: (header_start, payload_start, payload_nbytes).
+_RawView = tuple[int, int, int]
+# A decoded tensor: (dtype, shape, zero-copy bytes of the input).
+_RawTensor = tuple[str, tuple[int, ...], memoryview]
 
 
 def _bad(msg: str) -> InvalidArgument:
     return InvalidArgument(f"kwargs MessagePack: {msg}")
 
 
-def preflight(buf: Any, limits: Limits = DEFAULT_LIMITS, raw_views: list | None = None) -> int:
+def preflight(buf: Any, limits: Limits = DEFAULT_LIMITS, raw_views: list[_RawView] | None = None) -> int:
     """Walk the structure without building it: exactly one value, depth <= limits.msgpack_max_depth,
     <= limits.msgpack_max_nodes values, no reserved 0xC1, no truncation, no trailing bytes.
     Returns the node count. Cost is per node, not per byte (payloads are skipped).
@@ -136,10 +140,11 @@ class _ExtError(Exception):
 _REF = struct.Struct("<Q")
 
 
-def _skeleton(raw: bytes, raw_views: list) -> bytes:
+def _skeleton(raw: bytes, raw_views: list[_RawView]) -> bytes:
     """``raw`` with every Ext(3) payload replaced by ``fixext8(3, u64le(index))``: what msgpack
     decodes is the small structure only; tensor bytes stay in ``raw`` and are sliced zero-copy."""
-    parts, prev = [], 0
+    parts: list[bytes] = []
+    prev = 0
     for index, (header, start, size) in enumerate(raw_views):
         parts += [raw[prev:header], b"\xd7\x03", _REF.pack(index)]
         prev = start + size
@@ -147,10 +152,10 @@ def _skeleton(raw: bytes, raw_views: list) -> bytes:
     return b"".join(parts)
 
 
-def _ext_hook_for(raw: bytes, raw_views: list):
+def _ext_hook_for(raw: bytes, raw_views: list[_RawView]) -> Callable[[int, bytes], memoryview]:
     whole = memoryview(raw)
 
-    def hook(code: int, data: bytes) -> Any:
+    def hook(code: int, data: bytes) -> memoryview:
         if code != EXT_RAW_VIEW:
             raise _ExtError(f"ext type {code} is not allowed (only {EXT_RAW_VIEW}, raw tensor bytes; "
                             f"pickle is never accepted)")
@@ -170,7 +175,8 @@ class DecodedKwargs:
 
     __slots__ = ("tensors", "fields", "raw", "values")
 
-    def __init__(self, tensors: dict, fields: dict, raw: bytes, values: dict | None = None):
+    def __init__(self, tensors: dict[str, _RawTensor], fields: dict[str, FieldConfig], raw: bytes,
+                 values: dict[str, Any] | None = None):
         self.tensors = tensors
         self.fields = fields
         self.raw = raw
@@ -191,7 +197,7 @@ class DecodedKwargs:
                        f"only single-tensor fields are carried here")
 
 
-def _leaves(value: Any):
+def _leaves(value: Any) -> Iterator[tuple[Any, ...]]:
     if isinstance(value, tuple):
         yield value
     elif isinstance(value, list):
@@ -204,7 +210,7 @@ def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwar
         raw = bytes(memoryview(raw).cast("B")) if not isinstance(raw, bytes) else raw
     except TypeError:
         raise _bad(f"payload must be bytes, got {type(raw).__name__}") from None
-    raw_views: list = []
+    raw_views: list[_RawView] = []
     preflight(raw, limits, raw_views)
     try:
         obj = msgpack.unpackb(_skeleton(raw, raw_views), raw=False, ext_hook=_ext_hook_for(raw, raw_views),
@@ -218,7 +224,7 @@ def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwar
     if not 1 <= len(obj) <= limits.max_fields:
         raise _bad(f"an item must have 1..{limits.max_fields} fields, got {len(obj)}")
     values: dict[str, Any] = {}
-    tensors: dict[str, tuple] = {}
+    tensors: dict[str, _RawTensor] = {}
     fields: dict[str, FieldConfig] = {}
     for key, elem in obj.items():
         if not isinstance(key, str) or not 1 <= len(key.encode()) <= limits.max_key_bytes:
@@ -256,7 +262,7 @@ def _value(key: str, data: Any, limits: Limits) -> Any:
                f"an int, a float or a list")
 
 
-def _tensor(key: str, data: list, limits: Limits) -> tuple[str, tuple[int, ...], memoryview]:
+def _tensor(key: str, data: list[Any], limits: Limits) -> _RawTensor:
     if len(data) != 3:
         raise _bad(f"field {key!r}: a tensor must be [dtype, shape, Ext({EXT_RAW_VIEW})]")
     dtype, shape, payload = data
@@ -279,7 +285,7 @@ def _tensor(key: str, data: list, limits: Limits) -> tuple[str, tuple[int, ...],
 def _opt_int(v: Any, what: str) -> int | None:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not isinstance(v, int) or isinstance(v, bool):
         raise _bad(f"{what} must be an int or nil, got {v!r}")
     return v
 
@@ -323,7 +329,7 @@ def _field(key: str, field: Any, rank: int | None) -> FieldConfig:
     slices = kw.get("slices")
     if not isinstance(slices, list):
         raise _bad(f"field {key!r}: flat slices must be a list")
-    out = []
+    out: list[slice | tuple[slice, ...]] = []
     for entry in slices:
         # vLLM's rule: an entry whose first element is a list is a tuple of slices (dim > 0); [] is ().
         if isinstance(entry, list) and (not entry or isinstance(entry[0], list)):
@@ -365,7 +371,7 @@ def _wire_value(key: str, value: Any) -> Any:
                           f"got {type(value).__name__}")
 
 
-def _wire_tensor(key: str, dtype: Any, shape: Any, buf: Any) -> list:
+def _wire_tensor(key: str, dtype: Any, shape: Any, buf: Any) -> list[Any]:
     dtype = dtype_name(dtype)
     try:
         dims = [int(d) for d in shape]

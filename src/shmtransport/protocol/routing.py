@@ -59,7 +59,10 @@ def parse_marker(value: str) -> int | None:
 
 def pad_value(marker_or_identity: str) -> int:
     """The routing token that replaces is_embed positions: 1_000_000 + (u64 & (2**30 - 1))."""
-    return 1_000_000 + (hash_mm_identifier(marker_or_identity) & ((1 << 30) - 1))
+    u64 = hash_mm_identifier(marker_or_identity)
+    if u64 is None:
+        raise InvalidArgument("cannot derive a routing pad value from an empty identity")
+    return 1_000_000 + (u64 & ((1 << 30) - 1))
 
 
 def check_marker_format(marker: Any) -> str:

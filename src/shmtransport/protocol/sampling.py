@@ -51,9 +51,10 @@ class EngineSampling:
         if name not in self.kwargs:
             return False
         v = self.kwargs[name]
-        return {"top_k": v in (-1, 0), "min_p": v == 0.0, "temperature": v == 0.0, "top_p": v == 1.0,
-                "presence_penalty": v == 0.0, "frequency_penalty": v == 0.0,
-                "repetition_penalty": v == 1.0}.get(name, False)
+        disabled: dict[str, bool] = {
+            "top_k": v in (-1, 0), "min_p": v == 0.0, "temperature": v == 0.0, "top_p": v == 1.0,
+            "presence_penalty": v == 0.0, "frequency_penalty": v == 0.0, "repetition_penalty": v == 1.0}
+        return disabled.get(name, False)
 
 
 def _finite(name: str, v: float) -> float:

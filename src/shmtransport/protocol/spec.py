@@ -20,7 +20,6 @@ KNOWN_ADAPTERS = ("sql-lora", "chat-lora")
 
 TIMING_KEY = "x-shmt-timing"
 INGEST_KEY = "x-shmt-ingest"  # which of the worker's ingests opens the request (worker/server.py)
-DEBUG_HOLD_KEY = "x-shmt-debug-hold-ms"  # honoured only with debug_hooks: hold the leases (crash tests)
 
 
 def grpc_options(max_message: int) -> list[tuple[str, int]]:

@@ -63,7 +63,7 @@ def check_uuid(s: Any, what: str = "uuid") -> str:
 
 def check_position(value: Any, what: str, positive: bool = False) -> int:
     """A JSON/proto position: an int (not a bool), >= 0 (> 0 with ``positive``), <= u64 max."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidArgument(f"{what} must be an integer, got {type(value).__name__} {value!r:.40}")
     if value < 0:
         raise InvalidArgument(f"{what} must not be negative, got {value}")
@@ -174,7 +174,7 @@ class CheckedBatch:
 @dataclasses.dataclass
 class CheckedRequest:
     batches: list[CheckedBatch]
-    raw_media: list
+    raw_media: list[fpb.RawMedia]
 
     @property
     def items(self) -> list[tuple[str, CheckedItem]]:
@@ -232,7 +232,7 @@ def validate_request(req: fpb.MultimodalRequest, limits: Limits = DEFAULT_LIMITS
     seen: set[str] = set()
     n_items = n_inline_items = inline_bytes = shm_bytes = 0
     spans = []
-    occurrences: dict[tuple[str, str], list] = {}
+    occurrences: dict[tuple[str, str], list[tuple[FieldConfig, int]]] = {}
     for b, batch in enumerate(req.batches):
         modality = modality_from_pb(batch.modality)
         if modality in seen:

@@ -9,8 +9,16 @@
 NIXL is optional (``pip install shmtransport[nixl]``); without it remote handles raise
 ``NixlUnavailable``. Heavy imports happen on use.
 """
+from typing import TYPE_CHECKING
+
 from ._nixl import EXTRA_HINT, NixlUnavailable, load_nixl, nixl_available
 from .transport import COUNTERS, INLINE, REMOTE, SHM, TransportCounters, choose_transport, namespace_of
+
+if TYPE_CHECKING:  # imported on first use (``__getattr__``)
+    from .auth import RemoteTLS
+    from .daemon_ext import remote_extension
+    from .exporter import RemoteExporter, resolve
+    from .reader import RemoteReader
 
 __all__ = [
     "COUNTERS", "EXTRA_HINT", "INLINE", "REMOTE", "SHM", "NixlUnavailable", "RemoteExporter", "RemoteReader",
@@ -19,7 +27,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     if name == "remote_extension":
         from .daemon_ext import remote_extension
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 import os
+from types import ModuleType
+from typing import Any
 
 from ..errors import Reason, Unavailable
 
@@ -19,11 +21,11 @@ class NixlUnavailable(Unavailable):
         super().__init__(message or f"remote tensor handles need NIXL, which is not installed: {EXTRA_HINT}", reason)
 
 
-_cached: object | None = None
+_cached: ModuleType | None = None
 _import_error: str | None = None
 
 
-def load_nixl():
+def load_nixl() -> ModuleType:
     """The NIXL module (exposing ``nixl_agent`` / ``nixl_agent_config``), or NixlUnavailable."""
     global _cached, _import_error
     if os.environ.get("SHMTRANSPORT_DISABLE_NIXL") == "1":  # tests and operators: force the fallback
@@ -52,7 +54,7 @@ def nixl_available() -> bool:
     return True
 
 
-def new_agent(name: str):
+def new_agent(name: str) -> Any:
     """A NIXL agent with the UCX backend and its progress thread; NixlUnavailable when UCX is missing."""
     nixl = load_nixl()
     try:

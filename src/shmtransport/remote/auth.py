@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import os
+from typing import Iterable
 
 import grpc
 
@@ -35,7 +36,7 @@ def check_secret(secret: str | None) -> str | None:
     return secret
 
 
-def secret_matches(metadata, secret: str) -> bool:
+def secret_matches(metadata: Iterable[tuple[str, str | bytes]], secret: str) -> bool:
     for key, value in metadata:
         if key == SECRET_METADATA_KEY:
             given = value.encode() if isinstance(value, str) else bytes(value)
@@ -59,16 +60,16 @@ class RemoteTLS:
     ca: bytes
     server_name: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field in ("cert_chain", "private_key", "ca"):
             value = getattr(self, field)
             if not isinstance(value, bytes) or b"-----BEGIN" not in value:
                 raise InvalidArgument(f"RemoteTLS.{field} must be PEM bytes")
 
     @classmethod
-    def from_files(cls, cert_chain: str | os.PathLike, private_key: str | os.PathLike, ca: str | os.PathLike,
-                   server_name: str | None = None) -> RemoteTLS:
-        def read(path):
+    def from_files(cls, cert_chain: str | os.PathLike[str], private_key: str | os.PathLike[str],
+                   ca: str | os.PathLike[str], server_name: str | None = None) -> RemoteTLS:
+        def read(path: str | os.PathLike[str]) -> bytes:
             with open(path, "rb") as f:
                 return f.read()
 

@@ -23,7 +23,7 @@ import mmap
 import os
 import secrets
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
 import numpy as np
@@ -35,18 +35,26 @@ from ..v1 import remote_pb2_grpc as rpb_grpc
 from ._nixl import new_agent
 from .auth import RemoteTLS, check_secret, secret_matches
 
+if TYPE_CHECKING:
+    from ..daemon.registry import Registry
+    from ..daemon.server import Daemon
+
 _log = logging.getLogger("shmtransport.remote")
 
 REMOTE_SESSION_METADATA_KEY = "shmt-remote-session"
 TRANSPORT = "nixl"
 _STREAM_POLL_S = 0.2
 
+# What ``remote_extension`` returns, for ``Daemon(extensions=[...])``: (daemon, its gRPC server) ->
+# the extension's stop.
+RemoteInstall = Callable[["Daemon", grpc.Server], Callable[[], None]]
+
 
 class RemoteExtension:
     """State of the remote tier inside one daemon; built by ``remote_extension``."""
 
-    def __init__(self, daemon, listen_host: str, listen_port: int, advertise_host: str | None,
-                 secret: str | None = None, tls: RemoteTLS | None = None):
+    def __init__(self, daemon: Daemon, listen_host: str, listen_port: int, advertise_host: str | None,
+                 secret: str | None = None, tls: RemoteTLS | None = None) -> None:
         self.daemon = daemon
         self._secret = secret
         self._tls = tls
@@ -54,10 +62,11 @@ class RemoteExtension:
         self.listen_port = listen_port
         self.advertise_host = advertise_host or listen_host
         self.endpoint = ""
-        self.agent = None
+        self.agent: Any = None  # the NIXL agent, while installed
         self.agent_name = f"shmtd-{daemon.instance_id}"
+        self.agent_metadata = b""
         self._mmap: mmap.mmap | None = None
-        self._reg = None
+        self._reg: Any = None  # NIXL registration of the arena
         self.base_addr = 0
         self.nbytes = 0
         self._lock = threading.Lock()
@@ -131,7 +140,15 @@ class RemoteExtension:
         modes = [m for m, on in (("shared secret", self._secret), ("mutual TLS", self._tls)) if on is not None]
         return " + ".join(modes) or "unauthenticated"
 
-    def authenticate(self, context) -> None:
+    @property
+    def registry(self) -> Registry:
+        """The daemon's (default tenant's) registry: remote peers' sessions and leases live there."""
+        registry = self.daemon.registry
+        if registry is None:
+            raise Unavailable("the daemon has no registry (not started)")
+        return registry
+
+    def authenticate(self, context: grpc.ServicerContext) -> None:
         """Abort with UNAUTHENTICATED unless the call carries the shared secret (when one is set).
         The TLS handshake (client certificate) happened before any call reached us."""
         if self._secret is not None and not secret_matches(context.invocation_metadata(), self._secret):
@@ -142,7 +159,7 @@ class RemoteExtension:
         session_id = f"remote-{secrets.token_hex(6)}"
         token = secrets.token_hex(16)
         # pid 0: a remote peer. It copies the bytes out (no view), so its expired leases are reclaimed.
-        self.daemon.registry.open_session(session_id, 0, os.getuid(), quarantine_expired=False)
+        self.registry.open_session(session_id, 0, os.getuid(), quarantine_expired=False)
         with self._lock:
             self._tokens[token] = session_id
             self.sessions_total += 1
@@ -157,15 +174,15 @@ class RemoteExtension:
 
     def _close_session(self, session_id: str) -> None:
         try:
-            self.daemon.registry.close_session(session_id)  # releases its leases
+            self.registry.close_session(session_id)  # releases its leases
         except Exception:
             _log.exception("closing remote session %s failed", session_id)
 
-    def session_for(self, context) -> str:
+    def session_for(self, context: grpc.ServicerContext) -> str:
         for key, value in context.invocation_metadata():
             if key == REMOTE_SESSION_METADATA_KEY:
                 with self._lock:
-                    session_id = self._tokens.get(value)
+                    session_id = self._tokens.get(value) if isinstance(value, str) else None
                 if session_id is not None:
                     return session_id
                 break
@@ -186,10 +203,10 @@ class RemoteExtension:
 
 
 class _RemoteServicer(rpb_grpc.RemoteServicer):
-    def __init__(self, ext: RemoteExtension):
+    def __init__(self, ext: RemoteExtension) -> None:
         self._ext = ext
 
-    def Describe(self, request, context):
+    def Describe(self, request: rpb.DescribeRequest, context: grpc.ServicerContext) -> rpb.RemoteInfo:
         ext = self._ext
         if not context.peer().startswith("unix:"):  # a local producer's exporter asks over the socket
             ext.authenticate(context)
@@ -201,7 +218,7 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
             transport=TRANSPORT,
         )
 
-    def Attach(self, request, context):
+    def Attach(self, request: rpb.AttachRequest, context: grpc.ServicerContext) -> Iterator[rpb.AttachEvent]:
         ext = self._ext
         ext.authenticate(context)
         if ext._stopping.is_set():
@@ -223,7 +240,8 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
         finally:
             ext.end_session(token)
 
-    def RemoteAcquire(self, request, context):
+    def RemoteAcquire(self, request: rpb.RemoteAcquireRequest, context: grpc.ServicerContext
+                      ) -> rpb.RemoteAcquireResponse:
         from ..daemon.server import bounded_wait
 
         ext = self._ext
@@ -241,16 +259,17 @@ class _RemoteServicer(rpb_grpc.RemoteServicer):
                 raise InvalidArgument(f"handle of segment {h.name!r} cannot be read remotely: the remote tier "
                                       f"serves the arena only (dedicated-segment loans are node-local)")
         tokens = [t.commit_token for t in request.tensors]
-        lease_ids = ext.daemon.registry.acquire(
+        lease_ids = ext.registry.acquire(
             session_id, handles, request.ttl_ms, wait_s, tokens if any(tokens) else ()
         )
         regions = [ext.region(h.offset, h.nbytes) for h in handles]
         return rpb.RemoteAcquireResponse(lease_ids=lease_ids, regions=regions)
 
-    def RemoteRelease(self, request, context):
+    def RemoteRelease(self, request: rpb.RemoteReleaseRequest, context: grpc.ServicerContext
+                      ) -> rpb.RemoteReleaseResponse:
         self._ext.authenticate(context)
         session_id = self._ext.session_for(context)
-        self._ext.daemon.registry.release(session_id, (), request.lease_ids)
+        self._ext.registry.release(session_id, (), request.lease_ids)
         return rpb.RemoteReleaseResponse()
 
 
@@ -262,7 +281,7 @@ def remote_extension(
     *,
     secret: str | None = None,
     tls: RemoteTLS | None = None,
-):
+) -> RemoteInstall:
     """A ``Daemon`` extension serving the remote tier.
 
     ``listen_host``/``listen_port``: the TCP address remote peers dial (default loopback, any free
@@ -278,7 +297,7 @@ def remote_extension(
     if tls is not None and not isinstance(tls, RemoteTLS):
         raise InvalidArgument("tls must be a shmtransport.remote.RemoteTLS")
 
-    def install(daemon, server: grpc.Server):
+    def install(daemon: Daemon, server: grpc.Server) -> Callable[[], None]:
         ext = RemoteExtension(daemon, listen_host, listen_port, advertise_host, secret, tls)
         stop = ext.install(server)
         daemon.remote = ext

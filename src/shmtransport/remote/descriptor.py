@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..handle import Handle
 from ..tensors import dtype_from_name
 from ..v1 import daemon_pb2 as pb
 from ..v1 import features_pb2 as fpb
@@ -22,9 +23,10 @@ TRANSPORT = "nixl"
 MAX_DESCRIPTOR_NBYTES = 64 << 10
 
 
-def encode(handle, endpoint: str, agent_name: str, shm_namespace: str) -> fpb.RemoteTensorHandle:
+def encode(handle: Handle | pb.TensorHandle, endpoint: str, agent_name: str, shm_namespace: str
+           ) -> fpb.RemoteTensorHandle:
     """A ``RemoteTensorHandle`` for a ``Handle`` (or ``TensorHandle`` proto)."""
-    tensor = handle.to_proto() if hasattr(handle, "to_proto") else handle
+    tensor = handle if isinstance(handle, pb.TensorHandle) else handle.to_proto()
     desc = rpb.NixlDescriptor(
         version=DESCRIPTOR_VERSION,
         endpoint=endpoint,

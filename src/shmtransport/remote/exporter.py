@@ -7,8 +7,11 @@ namespace), ``remote`` (NIXL) or — only with ``allow_inline=True`` and no NIXL
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InvalidArgument, error_from_rpc
 from ..tensors import dtype_from_name
@@ -20,13 +23,19 @@ from . import descriptor as _desc
 from ._nixl import NixlUnavailable, load_nixl
 from .transport import COUNTERS, INLINE, REMOTE, SHM, TransportCounters, choose_transport, namespace_of
 
+if TYPE_CHECKING:
+    from ..client import Consumer, Handle, Lease, Producer
+    from .reader import RemoteBuffer, RemoteReader
+
 
 class RemoteExporter:
-    def __init__(self, producer, timeout_s: float = 10.0, counters: TransportCounters | None = None):
+    def __init__(self, producer: Producer, timeout_s: float = 10.0, counters: TransportCounters | None = None
+                 ) -> None:
         self.producer = producer
         self.counters = counters or COUNTERS
         self.namespace = namespace_of(producer)
         channel = grpc.insecure_channel(f"unix:{producer.socket_path}", options=GRPC_OPTIONS)
+        self.info: rpb.RemoteInfo | None
         try:
             self.info = rpb_grpc.RemoteStub(channel).Describe(rpb.DescribeRequest(), timeout=timeout_s)
         except grpc.RpcError as err:
@@ -37,13 +46,13 @@ class RemoteExporter:
         finally:
             channel.close()
 
-    def export(self, handle) -> fpb.RemoteTensorHandle:
+    def export(self, handle: Handle) -> fpb.RemoteTensorHandle:
         if self.info is None:
             raise NixlUnavailable("the producer's daemon does not serve the remote tier (start it with "
                                   "remote_extension(); pip install shmtransport[nixl])")
         return _desc.encode(handle, self.info.endpoint, self.info.agent_name, self.info.shm_namespace)
 
-    def tensor_data(self, handle, consumer_namespace: str, allow_inline: bool = False) -> fpb.TensorData:
+    def tensor_data(self, handle: Handle, consumer_namespace: str, allow_inline: bool = False) -> fpb.TensorData:
         transport = choose_transport(self.namespace, consumer_namespace, allow_inline=allow_inline,
                                      nbytes=handle.nbytes, counters=self.counters)
         td = fpb.TensorData(shape=handle.shape, dtype=handle.dtype, digest=handle.digest)
@@ -57,8 +66,9 @@ class RemoteExporter:
         return td
 
 
-def resolve(td: fpb.TensorData, *, consumer=None, reader=None, allow_inline: bool = False,
-            counters: TransportCounters | None = None):
+def resolve(td: fpb.TensorData, *, consumer: Consumer | None = None, reader: RemoteReader | None = None,
+            allow_inline: bool = False, counters: TransportCounters | None = None
+            ) -> Lease | RemoteBuffer | npt.NDArray[Any]:
     """The tensor a ``TensorData`` names: a consumer ``Lease`` (shm), a ``RemoteBuffer`` (remote),
     or a numpy array (inline, only when ``allow_inline``). Release the first two when done."""
     counters = counters or COUNTERS

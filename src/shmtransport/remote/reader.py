@@ -21,10 +21,12 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Sequence
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from .._backend import kernels
 from ..errors import (
@@ -37,12 +39,18 @@ from ..errors import (
     error_from_rpc,
 )
 from ..tensors import dtype_from_name, to_torch
+from ..v1 import daemon_pb2 as pb
+from ..v1 import features_pb2 as fpb
 from ..v1 import remote_pb2 as rpb
 from ..v1 import remote_pb2_grpc as rpb_grpc
 from . import descriptor as _desc
 from ._nixl import new_agent
 from .auth import SECRET_METADATA_KEY, RemoteTLS, check_secret
 from .daemon_ext import REMOTE_SESSION_METADATA_KEY
+
+if TYPE_CHECKING:
+    import torch
+    from google.protobuf.message import Message
 
 _log = logging.getLogger("shmtransport.remote")
 
@@ -58,7 +66,7 @@ def _rpc_error(err: grpc.RpcError) -> ShmTransportError:
     return error_from_rpc(err)
 
 
-def _page_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+def _page_buffer(nbytes: int) -> tuple[mmap.mmap, npt.NDArray[np.uint8]]:
     """Anonymous, page-aligned, pre-faulted memory (never a fresh /dev/shm segment)."""
     mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
     return mm, np.frombuffer(mm, dtype=np.uint8)
@@ -67,15 +75,15 @@ def _page_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
 class RemoteBuffer:
     """A tensor read from a remote daemon into this process's memory; ``release`` returns the slot."""
 
-    def __init__(self, reader: "RemoteReader", tensor, memory: np.ndarray, slot: int | None,
-                 large: "_LargeBuffer | None" = None):
+    def __init__(self, reader: "RemoteReader", tensor: pb.TensorHandle, memory: npt.NDArray[np.uint8],
+                 slot: int | None, large: "_LargeBuffer | None" = None) -> None:
         self._reader = reader
-        self.handle = tensor  # shmtransport.v1.TensorHandle of the source
-        self._memory = memory
+        self.handle = tensor  # of the source
+        self._memory: npt.NDArray[np.uint8] | None = memory  # None once given back
         self._slot = slot
         self._large = large
-        self._array: np.ndarray | None = None
-        self._root_ref: weakref.ref | None = None
+        self._array: npt.NDArray[Any] | None = None
+        self._root_ref: weakref.ref[npt.NDArray[np.uint8]] | None = None
         self.released = False
 
     @property
@@ -86,12 +94,17 @@ class RemoteBuffer:
     def pooled(self) -> bool:
         return self._slot is not None
 
-    @property
-    def addr(self) -> int:
-        return int(self._memory.ctypes.data)
+    def _bytes(self) -> npt.NDArray[np.uint8]:
+        if self._memory is None:
+            raise ShmTransportError(f"{self!r} is released")
+        return self._memory
 
     @property
-    def array(self) -> np.ndarray:
+    def addr(self) -> int:
+        return int(self._bytes().ctypes.data)
+
+    @property
+    def array(self) -> npt.NDArray[Any]:
         if self.released:
             raise ShmTransportError(f"{self!r} is released")
         if self._array is None:
@@ -102,7 +115,7 @@ class RemoteBuffer:
             else:
                 # numpy points every view derived from ``root`` at ``root``: its weakref tells whether
                 # the caller still holds a view, so the receive memory is not reused under it.
-                root = np.frombuffer(memoryview(self._memory)[:n], dtype=np.uint8)
+                root = np.frombuffer(self._bytes().data[:n], dtype=np.uint8)
                 self._root_ref = weakref.ref(root)
                 self._array = root.view(dtype).reshape(shape)
         return self._array
@@ -110,13 +123,13 @@ class RemoteBuffer:
     def _views_alive(self) -> bool:
         return self._root_ref is not None and self._root_ref() is not None
 
-    def tensor(self):
+    def tensor(self) -> torch.Tensor:
         return to_torch(self.array, self.handle.dtype)
 
     def verify(self) -> None:
         if not self.handle.digest:
             raise InvalidArgument("remote handle carries no digest: the producer did not hash")
-        if kernels.tree_digest(memoryview(self._memory)[: _desc.tensor_nbytes(self.handle)]) != self.handle.digest:
+        if kernels.tree_digest(self._bytes().data[: _desc.tensor_nbytes(self.handle)]) != self.handle.digest:
             raise IdentityMismatch(f"content digest mismatch after the remote read of {self!r}")
 
     def release(self) -> None:
@@ -131,10 +144,11 @@ class RemoteBuffer:
     def __enter__(self) -> "RemoteBuffer":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.release()
 
-    def __del__(self):
+    def __del__(self) -> None:
         # The client's finalizer policy: warn, then release — by the reader's next read or its
         # close, never here (a finalizer may run inside the reader's lock).
         if not getattr(self, "released", True):
@@ -153,16 +167,18 @@ class _LargeBuffer:
     """Receive memory above the pool's slot size: registered for itself, kept for reuse while the
     reader's ``large_cache_nbytes`` allows (so a steady stream of big tensors registers once)."""
 
-    def __init__(self, agent, nbytes: int):
+    def __init__(self, agent: Any, nbytes: int) -> None:
+        """``agent``: the reader's NIXL agent."""
         self.capacity = -(-nbytes // (1 << 20)) * (1 << 20)  # whole MiB: near sizes share buffers
-        self.mm, self.memory = _page_buffer(self.capacity)
+        self.mm, memory = _page_buffer(self.capacity)
+        self.memory: npt.NDArray[np.uint8] | None = memory  # None once freed
         try:
-            self.reg = agent.register_memory([(int(self.memory.ctypes.data), self.capacity, 0, "")], "DRAM")
+            self.reg: Any = agent.register_memory([(int(memory.ctypes.data), self.capacity, 0, "")], "DRAM")
         except Exception as exc:
             self.mm.close()
             raise Unavailable(f"NIXL register_memory of a {nbytes}-byte receive buffer failed: {exc}") from exc
 
-    def free(self, agent) -> None:
+    def free(self, agent: Any) -> None:
         if self.reg is not None and agent is not None:
             try:
                 agent.deregister_memory(self.reg)
@@ -179,7 +195,7 @@ class _LargeBuffer:
 class _Peer:
     """One remote daemon: gRPC channel (TCP), the Attach stream (our session), its NIXL agent."""
 
-    def __init__(self, reader: "RemoteReader", endpoint: str):
+    def __init__(self, reader: "RemoteReader", endpoint: str) -> None:
         self.endpoint = endpoint
         if reader._tls is not None:
             self._channel = grpc.secure_channel(endpoint, reader._tls.channel_credentials(),
@@ -187,7 +203,7 @@ class _Peer:
         else:
             self._channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         self.stub = rpb_grpc.RemoteStub(self._channel)
-        self._call = None
+        self._call: Any = None  # the Attach stream (a grpc call iterator, also a Future)
         self.remote_name: str | None = None
         self._agent = reader.agent
         auth = ((SECRET_METADATA_KEY, reader._secret),) if reader._secret is not None else ()
@@ -217,14 +233,17 @@ class _Peer:
     def alive(self) -> bool:
         return self._call is not None and not self._call.done()
 
-    def rpc(self, method: str, request, timeout_s: float):
+    def rpc(self, method: str, request: Message, timeout_s: float) -> Any:
         try:
             return getattr(self.stub, method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise _rpc_error(err) from None
 
-    def release_future(self, request, timeout_s: float):
-        return self.stub.RemoteRelease.future(request, timeout=timeout_s, metadata=self._metadata)
+    def release_future(self, request: rpb.RemoteReleaseRequest, timeout_s: float
+                       ) -> grpc.Future[rpb.RemoteReleaseResponse]:
+        future: grpc.Future[rpb.RemoteReleaseResponse] = self.stub.RemoteRelease.future(
+            request, timeout=timeout_s, metadata=self._metadata)
+        return future
 
     def close(self) -> None:
         if self._call is not None:
@@ -239,7 +258,7 @@ class _Peer:
         self._channel.close()
 
 
-def _log_release_failure(future) -> None:
+def _log_release_failure(future: grpc.Future[rpb.RemoteReleaseResponse]) -> None:
     exc = future.exception()
     if exc is None:
         return
@@ -262,7 +281,7 @@ class RemoteReader:
 
     def __init__(self, name: str | None = None, pool_slots: int = 16, slot_nbytes: int = 8 << 20,
                  timeout_s: float = 30.0, verify: bool = True, large_cache_nbytes: int = 512 << 20,
-                 *, secret: str | None = None, tls: RemoteTLS | None = None):
+                 *, secret: str | None = None, tls: RemoteTLS | None = None) -> None:
         if tls is not None and not isinstance(tls, RemoteTLS):
             raise InvalidArgument("tls must be a shmtransport.remote.RemoteTLS")
         self._secret = check_secret(secret)
@@ -274,9 +293,9 @@ class RemoteReader:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._closed = False
-        self.agent = new_agent(self.name)
+        self.agent: Any = new_agent(self.name)  # None once closed
         self._pool_mm, self._pool = _page_buffer(pool_slots * slot_nbytes)
-        self._pool_reg = None
+        self._pool_reg: Any = None
         if pool_slots:
             self._pool_reg = self.agent.register_memory([(int(self._pool.ctypes.data), self._pool.nbytes, 0, "")],
                                                         "DRAM")
@@ -285,7 +304,7 @@ class RemoteReader:
         self._large_cache: list[_LargeBuffer] = []  # released, still registered, oldest first
         self._deferred: list[RemoteBuffer] = []  # released while the caller still held views
         self._collected: collections.deque[RemoteBuffer] = collections.deque()  # dropped unreleased
-        self._pending: list = []  # lease releases in flight
+        self._pending: list[grpc.Future[rpb.RemoteReleaseResponse]] = []  # lease releases in flight
         self.stats = {"reads": 0, "pooled": 0, "dynamic": 0, "registrations": 0, "bytes": 0}
 
     @property
@@ -303,7 +322,7 @@ class RemoteReader:
                 warnings.warn(f"closing the reader while a view of {buf!r} is still alive", ResourceWarning, 2)
             self._give_back(buf, force=force)
 
-    def _destination(self, tensor) -> RemoteBuffer:
+    def _destination(self, tensor: pb.TensorHandle) -> RemoteBuffer:
         if self._deferred or self._collected:
             self._sweep_deferred()
         nbytes = int(tensor.shm.nbytes)
@@ -324,6 +343,8 @@ class RemoteReader:
             large = _LargeBuffer(self.agent, nbytes)
             self.stats["registrations"] += 1
         self.stats["dynamic"] += 1
+        if large.memory is None:  # only buffers not freed are cached
+            raise ShmTransportError("internal: a freed receive buffer was reused")
         return RemoteBuffer(self, tensor, large.memory[:nbytes], None, large)
 
     def _give_back(self, buf: RemoteBuffer, force: bool = False) -> None:
@@ -339,7 +360,7 @@ class RemoteReader:
         large, buf._large = buf._large, None
         if large is None:
             return
-        evicted = []
+        evicted: list[_LargeBuffer] = []
         with self._lock:
             if not self._closed and large.capacity <= self.large_cache_nbytes:
                 self._large_cache.append(large)
@@ -366,10 +387,11 @@ class RemoteReader:
             return peer
 
     # -- reads -----------------------------------------------------------------------------------
-    def read(self, remote, verify: bool | None = None) -> RemoteBuffer:
+    def read(self, remote: fpb.RemoteTensorHandle | bytes, verify: bool | None = None) -> RemoteBuffer:
         return self.read_many([remote], verify=verify)[0]
 
-    def read_many(self, remotes: Sequence, verify: bool | None = None) -> list[RemoteBuffer]:
+    def read_many(self, remotes: Sequence[fpb.RemoteTensorHandle | bytes], verify: bool | None = None
+                  ) -> list[RemoteBuffer]:
         """Read every remote handle (``RemoteTensorHandle`` or its bytes); in order."""
         descs = [_desc.decode(r) for r in remotes]
         by_endpoint: dict[str, list[int]] = {}
@@ -382,13 +404,13 @@ class RemoteReader:
                 for i, buf in zip(indices, bufs):
                     out[i] = buf
         except BaseException:
-            for buf in out:
-                if buf is not None:
-                    buf.release()
+            for done in out:
+                if done is not None:
+                    done.release()
             raise
-        return out  # type: ignore[return-value]
+        return [buf for buf in out if buf is not None]  # every index is filled
 
-    def _read_from(self, endpoint: str, descs: list, verify: bool | None) -> list[RemoteBuffer]:
+    def _read_from(self, endpoint: str, descs: list[rpb.NixlDescriptor], verify: bool | None) -> list[RemoteBuffer]:
         peer = self._peer(endpoint)
         for d in descs:
             if d.agent_name != peer.agent_name or d.tensor.shm.instance_id != peer.instance_id:
@@ -419,7 +441,7 @@ class RemoteReader:
         self.stats["bytes"] += sum(b.nbytes for b in bufs)
         return bufs
 
-    def _release_leases(self, peer: _Peer, lease_ids) -> None:
+    def _release_leases(self, peer: _Peer, lease_ids: Sequence[int]) -> None:
         """Sent without waiting for the reply (the READ is complete, nothing depends on it); a
         failure is logged. ``flush()`` (and ``close()``) wait for every release in flight."""
         if not lease_ids:
@@ -440,7 +462,7 @@ class RemoteReader:
             except Exception:
                 pass  # logged by _log_release_failure; the daemon reclaims on session end anyway
 
-    def _pull(self, peer: _Peer, bufs: list[RemoteBuffer], regions) -> None:
+    def _pull(self, peer: _Peer, bufs: list[RemoteBuffer], regions: Sequence[rpb.NixlRegion]) -> None:
         if len(regions) != len(bufs):
             raise Unavailable(f"remote daemon returned {len(regions)} regions for {len(bufs)} tensors")
         for buf, region in zip(bufs, regions):
@@ -500,7 +522,8 @@ class RemoteReader:
     def __enter__(self) -> "RemoteReader":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ._nixl import EXTRA_HINT, NixlUnavailable, nixl_available
+
+if TYPE_CHECKING:
+    from ..client import Consumer, Producer
 
 _log = logging.getLogger("shmtransport.remote")
 
@@ -21,7 +24,7 @@ class TransportCounters:
     """Thread-safe counts of transport choices; ``hooks`` get ``(transport, nbytes)`` per choice
     (e.g. a Prometheus counter's ``labels(t).inc``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts = {SHM: 0, REMOTE: 0, INLINE: 0}
         self.nbytes = {SHM: 0, REMOTE: 0, INLINE: 0}
@@ -54,7 +57,7 @@ class TransportCounters:
 COUNTERS = TransportCounters()
 
 
-def namespace_of(client) -> str:
+def namespace_of(client: Producer | Consumer) -> str:
     """The shm namespace id a Producer/Consumer's daemon advertised in its handshake."""
     return client.shm_namespace
 

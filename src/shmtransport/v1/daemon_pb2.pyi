@@ -265,7 +265,7 @@ class ListRequest(_message.Message):
     def __init__(self, limit: _Optional[int] = ...) -> None: ...
 
 class ObjectInfo(_message.Message):
-    __slots__ = ("offset", "nbytes", "generation", "slot", "state", "handoff", "owner_session", "owner_pid", "holder_pids", "holder_sessions", "age_s", "segment_name")
+    __slots__ = ("offset", "nbytes", "generation", "slot", "state", "handoff", "owner_session", "owner_pid", "holder_pids", "holder_sessions", "age_s", "segment_name", "producer_held", "quarantined_leases")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,8 @@ class ObjectInfo(_message.Message):
     HOLDER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_HELD_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_LEASES_FIELD_NUMBER: _ClassVar[int]
     offset: int
     nbytes: int
     generation: int
@@ -290,7 +292,9 @@ class ObjectInfo(_message.Message):
     holder_sessions: _containers.RepeatedScalarFieldContainer[str]
     age_s: float
     segment_name: str
-    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., slot: _Optional[int] = ..., state: _Optional[str] = ..., handoff: _Optional[bool] = ..., owner_session: _Optional[str] = ..., owner_pid: _Optional[int] = ..., holder_pids: _Optional[_Iterable[int]] = ..., holder_sessions: _Optional[_Iterable[str]] = ..., age_s: _Optional[float] = ..., segment_name: _Optional[str] = ...) -> None: ...
+    producer_held: bool
+    quarantined_leases: int
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., slot: _Optional[int] = ..., state: _Optional[str] = ..., handoff: _Optional[bool] = ..., owner_session: _Optional[str] = ..., owner_pid: _Optional[int] = ..., holder_pids: _Optional[_Iterable[int]] = ..., holder_sessions: _Optional[_Iterable[str]] = ..., age_s: _Optional[float] = ..., segment_name: _Optional[str] = ..., producer_held: _Optional[bool] = ..., quarantined_leases: _Optional[int] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("tenant", "objects", "total_objects", "clients")

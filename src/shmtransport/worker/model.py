@@ -125,8 +125,9 @@ class TinyMultimodalModel(nn.Module):
         n = int((g[:, 0] * g[:, 1] * g[:, 2]).sum())
         if n != pixels.shape[0] or bool(((g[:, 1] % MERGE) != 0).any()) or bool(((g[:, 2] % MERGE) != 0).any()):
             raise InvalidArgument(f"grid {g.tolist()} does not match {pixels.shape[0]} patches (2x2 merge)")
-        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
-        return self.merger(x.reshape(-1, MERGE * MERGE * self.d))
+        x: torch.Tensor = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
+        merged: torch.Tensor = self.merger(x.reshape(-1, MERGE * MERGE * self.d))
+        return merged
 
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
         f = features.reshape(features.shape[-2], features.shape[-1]) if features.dim() == 3 else features
@@ -134,7 +135,8 @@ class TinyMultimodalModel(nn.Module):
             raise InvalidArgument(f"audio features must be ({self.n_mels}, frames), got {tuple(features.shape)}")
         t = (f.shape[1] // AUDIO_FRAMES_PER_TOKEN) * AUDIO_FRAMES_PER_TOKEN
         x = f[:, :t].to(self.audio_in.weight.dtype).T.reshape(-1, AUDIO_FRAMES_PER_TOKEN * self.n_mels)
-        return self.audio_out(torch.nn.functional.gelu(self.audio_in(x)))
+        out: torch.Tensor = self.audio_out(torch.nn.functional.gelu(self.audio_in(x)))
+        return out
 
     def encode(self, item: MMItem) -> torch.Tensor:
         kw = item.kwargs
@@ -149,7 +151,7 @@ class TinyMultimodalModel(nn.Module):
     # -- merge (vLLM semantics) -------------------------------------------------------------------
     def merge(self, token_ids: torch.Tensor, items: Sequence[MMItem], encoded: Sequence[torch.Tensor]) -> torch.Tensor:
         """``inputs_embeds[is_mm_embed] = cat(encoder outputs in prompt order)``."""
-        embeds = self.embed(token_ids)
+        embeds: torch.Tensor = self.embed(token_ids)
         if not items:
             return embeds
         is_mm = torch.zeros(token_ids.shape[0], dtype=torch.bool, device=token_ids.device)
@@ -173,7 +175,7 @@ class TinyMultimodalModel(nn.Module):
         return embeds
 
     # -- decoder ------------------------------------------------------------------------------------
-    def adapter_delta(self, name: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def adapter_delta(self, name: str, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 63) - 1)
         gen = torch.Generator().manual_seed(seed)
         a = torch.randn(self.d, 4, generator=gen) * 0.5

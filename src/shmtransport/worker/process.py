@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import TracebackType
 
 # Torch's OpenMP threads spin for a while after each parallel region by default; on a machine the
 # worker shares with the frontend (tests, benchmarks, the demo) that spinning steals the cores the
@@ -25,13 +26,16 @@ def die_with_parent() -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _wait_ready(proc: subprocess.Popen, what: str, timeout_s: float) -> str:
+def _wait_ready(proc: subprocess.Popen[str], what: str, timeout_s: float) -> str:
+    stdout = proc.stdout
+    if stdout is None:
+        raise ValueError(f"{what}: the process was not started with stdout=PIPE")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        ready, _, _ = select.select([stdout], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             break
-        line = proc.stdout.readline()
+        line = stdout.readline()
         if not line:
             break
         if "ready" in line:
@@ -43,7 +47,7 @@ def _wait_ready(proc: subprocess.Popen, what: str, timeout_s: float) -> str:
 
 
 def start_daemon_process(socket_path: str, arena_nbytes: int, name_prefix: str,
-                         timeout_s: float = 30.0) -> subprocess.Popen:
+                         timeout_s: float = 30.0) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "shmtransport", "daemon", "--socket", socket_path,
            "--arena-size", str(arena_nbytes), "--name-prefix", name_prefix, "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -52,7 +56,7 @@ def start_daemon_process(socket_path: str, arena_nbytes: int, name_prefix: str,
     return proc
 
 
-def stop_process(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> int | None:
+def stop_process(proc: subprocess.Popen[str] | None, timeout_s: float = 10.0) -> int | None:
     if proc is None:
         return None
     if proc.poll() is None:
@@ -75,7 +79,7 @@ class WorkerProcess:
 
     def __init__(self, socket_path: str, daemon_socket: str, *, device: str = "cpu",
                  max_inline_bytes: int | None = None, entry: tuple[str, ...] = ("-m", "shmtransport", "worker"),
-                 extra_args: tuple[str, ...] = (), env: dict | None = None, timeout_s: float = 60.0):
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, timeout_s: float = 60.0) -> None:
         self.address = f"unix:{socket_path}"
         cmd = [sys.executable, *entry, "--socket", socket_path,
                "--daemon-socket", daemon_socket, "--device", device, "--log-level", "WARNING", *extra_args]
@@ -99,5 +103,6 @@ class WorkerProcess:
     def __enter__(self) -> "WorkerProcess":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.stop()

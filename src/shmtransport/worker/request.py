@@ -19,20 +19,25 @@ disaggregated mode it has no UUID.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
-from ..client import Consumer
+from ..client import Consumer, Lease
 from ..embedmask import PlaceholderRange
 from ..errors import IdentityMismatch, InvalidArgument
 from ..identity import combine, identity_scheme, tensor_digest
 from ..protocol import routing
 from ..protocol.items import FieldConfig
 from ..protocol.limits import DEFAULT_LIMITS, Limits
-from ..protocol.validate import CheckedRequest, validate_request
+from ..protocol.validate import CheckedBatch, CheckedItem, CheckedRequest, validate_request
 from ..tensors import DTYPES, to_torch
 from ..v1 import features_pb2 as fpb
+
+if TYPE_CHECKING:
+    import torch
 
 FALLBACK_UUID_PREFIX = "shmtransport-fallback:"
 VERIFY = ("always", "never")
@@ -48,7 +53,7 @@ class EnginePlaceholder:
     dense); ``range`` keeps the packed mask with vLLM's semantics (num_embeds, cumsum, windows)."""
 
     range: PlaceholderRange
-    is_embed: Any  # torch.Tensor (bool, shape (length,)) | None
+    is_embed: torch.Tensor | None  # bool, shape (length,); None = dense
 
     @property
     def offset(self) -> int:
@@ -69,7 +74,7 @@ def backend_modality(modality: str, unified_vision: bool = False) -> str:
 class EngineInputs:
     """Engine-ready multimodal inputs of one request, keyed by modality. Holds the leases."""
 
-    def __init__(self, consumer: Consumer | None, leases: list):
+    def __init__(self, consumer: Consumer | None, leases: list[Lease]) -> None:
         self._consumer = consumer
         self._leases = leases
         self.mm_kwargs: dict[str, list[dict[str, Any]]] = {}
@@ -82,7 +87,7 @@ class EngineInputs:
         self.multi_modal_uuids: dict[str, list[str | None]] = {}
 
     @property
-    def leases(self) -> list:
+    def leases(self) -> list[Lease]:
         return list(self._leases)
 
     def engine_prompt(self, prompt_token_ids: list[int]) -> dict[str, Any]:
@@ -100,12 +105,13 @@ class EngineInputs:
     def __enter__(self) -> "EngineInputs":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.consumed()
 
 
 
-def _mask_tensor(p: PlaceholderRange):
+def _mask_tensor(p: PlaceholderRange) -> torch.Tensor | None:
     import torch
 
     if p.is_embed is None:
@@ -127,9 +133,11 @@ def open_request(consumer: Consumer | None, request: fpb.MultimodalRequest, *, v
     if checked.raw_media:
         raise InvalidArgument("raw media is not preprocessed features: it takes the worker's processing path")
     shm = [(m, it.index, key, t) for m, it in checked.items for key, t in it.tensors.items() if t.kind == "shm"]
-    if shm and consumer is None:
-        raise InvalidArgument("shared-memory tensors need a Consumer")
-    leases = consumer.acquire_many([t.source for *_, t in shm], ttl_ms=ttl_ms) if shm else []
+    leases: list[Lease] = []
+    if shm:
+        if consumer is None:
+            raise InvalidArgument("shared-memory tensors need a Consumer")
+        leases = consumer.acquire_many([t.source for *_, t in shm], ttl_ms=ttl_ms)
     out = EngineInputs(consumer, leases)
     try:
         _fill(out, checked, {(m, i, k): lease for (m, i, k, _), lease in zip(shm, leases)}, verify, mode,
@@ -140,11 +148,14 @@ def open_request(consumer: Consumer | None, request: fpb.MultimodalRequest, *, v
     return out
 
 
-def _fill(out: EngineInputs, checked: CheckedRequest, lease_of: dict, verify: str, mode: str,
+_LeaseKey = tuple[str, int, str]  # (modality, item index, kwargs key)
+
+
+def _fill(out: EngineInputs, checked: CheckedRequest, lease_of: dict[_LeaseKey, Lease], verify: str, mode: str,
           unified_vision: bool, copy_on_write: bool) -> None:
     for batch in checked.batches:
         for it in batch.items:
-            arrays: dict[str, np.ndarray] = {}
+            arrays: dict[str, npt.NDArray[Any]] = {}
             try:
                 _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision, copy_on_write)
             finally:
@@ -152,7 +163,9 @@ def _fill(out: EngineInputs, checked: CheckedRequest, lease_of: dict, verify: st
     out.multi_modal_uuids = {m: u for m, u in out.multi_modal_uuids.items() if any(x is not None for x in u)}
 
 
-def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision, copy_on_write) -> None:
+def _fill_item(out: EngineInputs, batch: CheckedBatch, it: CheckedItem, lease_of: dict[_LeaseKey, Lease],
+               arrays: dict[str, npt.NDArray[Any]], verify: str, mode: str, unified_vision: bool,
+               copy_on_write: bool) -> None:
     modality = batch.modality
     where = f"{modality}[{it.index}]"
     for key, t in it.tensors.items():
@@ -163,11 +176,13 @@ def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision, c
     identity = it.mm_hash
     needs_identity = verify == "always" or (not it.mm_hash and mode == "aggregated")
     if needs_identity and (it.tensors or it.msgpack is not None):
-        spec = identity_scheme(batch.scheme)
-        if spec.over_msgpack:
-            identity = spec.msgpack_identity(modality, it.msgpack.raw)
+        msgpack_identity = identity_scheme(batch.scheme).msgpack_identity
+        if msgpack_identity is not None:  # the scheme is computed over the msgpack payload
+            if it.msgpack is None:  # validate_request refuses such an item already
+                raise InvalidArgument(f"{where}: the {batch.scheme} identity needs kwargs_msgpack (inline)")
+            identity = msgpack_identity(modality, it.msgpack.raw)
         else:
-            entries = []
+            entries: list[tuple[str, str, tuple[int, ...], int, bytes]] = []
             for key, t in it.tensors.items():
                 digest = tensor_digest(batch.scheme, arrays[key].reshape(-1).view(np.uint8))
                 sent = t.source.digest if t.kind == "shm" else b""
@@ -189,6 +204,7 @@ def _fill_item(out, batch, it, lease_of, arrays, verify, mode, unified_vision, c
                                                                           _mask_tensor(it.placeholder)))
     out.identities.setdefault(modality, []).append(identity)
     out.routing_markers.setdefault(modality, []).append(it.routing_marker)
+    uuid: str | None
     if it.mm_hash:
         uuid = it.mm_hash
     elif mode == "aggregated" and identity:

@@ -21,6 +21,14 @@ Other ways in (``ingests``, an extension point): a request with metadata ``x-shm
 the worker owns (nothing to release), checked against the model and encoded like the shared-memory
 ones; a name the worker does not serve is InvalidArgument. The pipeline benchmark's SMG-style peer
 (``benchmarks/peers/segment_pread_worker.py``) is one.
+
+``after_open(service, inputs, context)`` (another extension point, optional): called on the
+shared-memory path once the request is opened (leased and verified: ``inputs`` is its
+``request.EngineInputs``), before its tensors go to the device, with the RPC's context (its metadata,
+whether the client is still there). The leases stay held until it returns; an exception it raises
+fails the request like any other error, and the leases are released either way. A client that went
+away while it ran ends the request there (cancelled). The tests' holding worker
+(``tests/holding_worker.py``) is one: it keeps the leases while a crash or a deadline is provoked.
 """
 from __future__ import annotations
 
@@ -28,9 +36,10 @@ import concurrent.futures
 import json
 import logging
 import os
+import signal
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Mapping, cast
 
 import grpc
 import numpy as np
@@ -41,18 +50,25 @@ from ..errors import InvalidArgument, Unavailable
 from ..protocol import sampling as sampling_mod
 from ..protocol.capabilities import ServerInfoServicer
 from ..protocol.limits import DEFAULT_LIMITS, Limits
-from ..protocol.spec import DEBUG_HOLD_KEY, INGEST_KEY, TIMING_KEY, grpc_options
+from ..protocol.spec import INGEST_KEY, KNOWN_ADAPTERS, TIMING_KEY, grpc_options
+from ..v1 import features_pb2 as fpb
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
 from . import model as model_mod
-from .request import open_request
+from .request import EngineInputs, open_request
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    import torch
 
 _log = logging.getLogger("shmtransport.worker")
 
 _FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
 
 # (service, request.multimodal, prompt length) -> the request's items: see ``ingests`` above.
-Ingest = Callable[["GeneratorService", Any, int], "list[model_mod.MMItem]"]
+Ingest = Callable[["GeneratorService", fpb.MultimodalRequest, int], "list[model_mod.MMItem]"]
+# (service, the opened request, the RPC's context or None) -> None: see ``after_open`` above.
+AfterOpen = Callable[["GeneratorService", EngineInputs, "grpc.ServicerContext | None"], None]
 
 
 def resolve_device(device: str) -> str:
@@ -69,10 +85,18 @@ class _Aborted(Exception):
     """The client cancelled or went away."""
 
 
+def _cudart() -> Any:
+    """torch's binding of the CUDA runtime API (``torch.cuda.cudart()``, unannotated in torch)."""
+    import torch
+
+    return cast(Callable[[], Any], torch.cuda.cudart)()
+
+
 class GeneratorService(ServerInfoServicer):
     def __init__(self, daemon_socket: str | None, *, device: str = "auto", verify: str = "always",
                  limits: Limits = DEFAULT_LIMITS, ingests: Mapping[str, Ingest] | None = None,
-                 host_register: bool = True, chunk_tokens: int = 1, debug_hooks: bool = False):
+                 host_register: bool = True, chunk_tokens: int = 1, after_open: AfterOpen | None = None) -> None:
+        """``ingests``, ``after_open``: the extension points described in this module's docstring."""
         import torch
 
         super().__init__(limits, native_generate=True)
@@ -81,7 +105,7 @@ class GeneratorService(ServerInfoServicer):
         self.device = resolve_device(device)
         self.ingests = dict(ingests or {})
         self.chunk_tokens = max(1, chunk_tokens)
-        self.debug_hooks = debug_hooks
+        self.after_open = after_open
         torch.manual_seed(0)
         if self.device.startswith("cuda"):  # CPU / GPU token parity: no TF32 in matmuls or cuDNN's GRU
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -89,15 +113,15 @@ class GeneratorService(ServerInfoServicer):
         self.model = model_mod.TinyMultimodalModel().to(self.device)
         self.consumer = Consumer(daemon_socket) if daemon_socket else None
         self.host_register = host_register and self.device.startswith("cuda")
-        self.registered: dict[str, Any] = {}  # daemon instance -> (address, nbytes, flags) once registered
+        # daemon instance -> (address, nbytes, flags) once registered (None: registration refused)
+        self.registered: dict[str, tuple[int, int, int] | None] = {}
+        self._registered_view: npt.NDArray[np.uint8] | None = None
         self._register_lock = threading.Lock()
         self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
 
     # -- device staging -----------------------------------------------------------------------------
     def _register_arena(self) -> None:
         """cudaHostRegister the consumer's arena mapping once (pinned: host->device copies by DMA)."""
-        import torch
-
         if not self.host_register or self.consumer is None:
             return
         arena, key = self.consumer.arena_view(), self.consumer.instance_id  # one arena per daemon instance
@@ -109,7 +133,7 @@ class GeneratorService(ServerInfoServicer):
             view = np.frombuffer(arena, dtype=np.uint8)
             ptr = view.ctypes.data
             result = None
-            cudart = torch.cuda.cudart()
+            cudart = _cudart()
             # 8 = cudaHostRegisterReadOnly: our consumer mapping is PROT_READ, and flags 0 is refused
             # there (invalid argument, seen on an H200); 0 stays as the fallback for writable mappings.
             for flags in ((8, 0) if arena.readonly else (0, 8)):
@@ -128,13 +152,14 @@ class GeneratorService(ServerInfoServicer):
             _log.info("cudaHostRegister of the arena of %s: %s", key, result)
             self._registered_view = view  # keep the address valid while registered
 
-    def to_device(self, t):
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device == "cpu":
             return t  # the zero-copy view of shared memory is the device tensor
         return t.to(self.device, non_blocking=False)
 
     # -- request -> encoder outputs ---------------------------------------------------------------
-    def _open(self, request: gpb.GenerateRequest, context, timing: dict[str, float]):
+    def _open(self, request: gpb.GenerateRequest, context: grpc.ServicerContext | None, timing: dict[str, float]
+              ) -> tuple[list[int], model_mod.Sampling, str | None, torch.Tensor, sampling_mod.EngineSampling]:
         """Validated prompt, sampling, adapter and merged inputs_embeds; every lease released."""
         import torch
 
@@ -144,8 +169,8 @@ class GeneratorService(ServerInfoServicer):
         if any(t >= self.model.vocab for t in prompt):
             raise InvalidArgument(f"prompt token id out of the vocabulary (< {self.model.vocab})")
         adapter = request.lora_name if request.HasField("lora_name") else None
-        if adapter is not None and adapter not in model_mod.KNOWN_ADAPTERS:
-            raise InvalidArgument(f"unknown LoRA adapter {adapter!r}; loaded: {', '.join(model_mod.KNOWN_ADAPTERS)}")
+        if adapter is not None and adapter not in KNOWN_ADAPTERS:
+            raise InvalidArgument(f"unknown LoRA adapter {adapter!r}; loaded: {', '.join(KNOWN_ADAPTERS)}")
         mm = request.multimodal
         for batch in mm.batches:
             if batch.adapter and batch.adapter != (adapter or ""):
@@ -153,14 +178,13 @@ class GeneratorService(ServerInfoServicer):
                                       f"adapter {adapter or 'none'!r}")
         metadata = dict(context.invocation_metadata()) if context is not None else {}
         ingest = metadata.get(INGEST_KEY, "shm")
-        hold_ms = int(metadata.get(DEBUG_HOLD_KEY, 0)) if self.debug_hooks else 0
         items: list[model_mod.MMItem] = []
-        inputs = None
+        inputs: EngineInputs | None = None
         try:
             if not mm.batches and not mm.raw_media:
                 pass
             elif ingest != "shm":
-                if ingest not in self.ingests:
+                if not isinstance(ingest, str) or ingest not in self.ingests:
                     raise InvalidArgument(f"ingest {ingest!r} is not served by this worker")
                 items = self.ingests[ingest](self, mm, len(prompt))
             else:
@@ -170,8 +194,10 @@ class GeneratorService(ServerInfoServicer):
                                       limits=self.limits, copy_on_write=self.device == "cpu")
                 if self.host_register:
                     self._register_arena()
-                if hold_ms:
-                    self._hold(hold_ms, context)
+                if self.after_open is not None:
+                    self.after_open(self, inputs, context)
+                    if context is not None and not context.is_active():
+                        raise _Aborted()
                 for modality, kw_list in inputs.mm_kwargs.items():
                     for kw, ph in zip(kw_list, inputs.mm_placeholders[modality]):
                         items.append(model_mod.MMItem(modality, dict(kw), ph.offset, ph.length, ph.is_embed))
@@ -205,17 +231,9 @@ class GeneratorService(ServerInfoServicer):
             embeds = self.model.merge(ids, items, encoded)
         return prompt, sampling, adapter, embeds, engine
 
-    @staticmethod
-    def _hold(hold_ms: int, context) -> None:
-        """Debug hook: keep the leases for ``hold_ms`` (or until the client goes away)."""
-        deadline = time.monotonic() + hold_ms / 1000
-        while time.monotonic() < deadline:
-            if context is not None and not context.is_active():
-                raise _Aborted()
-            time.sleep(0.01)
-
     # -- RPCs -----------------------------------------------------------------------------------------
-    def _chunks(self, request: gpb.GenerateRequest, context):
+    def _chunks(self, request: gpb.GenerateRequest, context: grpc.ServicerContext | None
+                ) -> Generator[gpb.GenerateStreamChunk, None, None]:
         timing = {"received": time.perf_counter()}
         self.stats["requests"] += 1
         try:
@@ -258,7 +276,8 @@ class GeneratorService(ServerInfoServicer):
             yield chunk
             pending = []
 
-    def GenerateStream(self, request, context):
+    def GenerateStream(self, request: gpb.GenerateRequest, context: grpc.ServicerContext
+                       ) -> Iterator[gpb.GenerateStreamChunk]:
         gen = self._chunks(request, context)
         try:
             for chunk in gen:
@@ -274,7 +293,7 @@ class GeneratorService(ServerInfoServicer):
         finally:
             gen.close()
 
-    def Generate(self, request, context):
+    def Generate(self, request: gpb.GenerateRequest, context: grpc.ServicerContext) -> gpb.GenerateResponse:
         try:
             chunks = list(self._chunks(request, context))
         except _Aborted:
@@ -289,11 +308,9 @@ class GeneratorService(ServerInfoServicer):
 
     def close(self) -> None:
         if self.registered:
-            import torch
-
             for result in self.registered.values():
                 if result is not None:
-                    torch.cuda.cudart().cudaHostUnregister(result[0])
+                    _cudart().cudaHostUnregister(result[0])
             self.registered.clear()
             self._registered_view = None
         if self.consumer is not None:
@@ -306,7 +323,7 @@ def _clear_cuda_error() -> None:
     check reads and clears it)."""
     import torch
 
-    getter = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    getter = getattr(_cudart(), "cudaGetLastError", None)
     try:
         if getter is not None:
             getter()
@@ -319,7 +336,8 @@ def _clear_cuda_error() -> None:
 class WorkerServer:
     """The gRPC server around ``GeneratorService``; ``address`` is ``unix:PATH`` or ``HOST:PORT``."""
 
-    def __init__(self, address: str, daemon_socket: str | None, *, max_workers: int = 4, **options):
+    def __init__(self, address: str, daemon_socket: str | None, *, max_workers: int = 4, **options: Any) -> None:
+        """``options``: ``GeneratorService``'s keyword arguments."""
         limits: Limits = options.get("limits", DEFAULT_LIMITS)
         self.address = address
         self.service = GeneratorService(daemon_socket, **options)
@@ -345,5 +363,15 @@ class WorkerServer:
             except FileNotFoundError:
                 pass
 
-    def wait(self) -> None:
-        self._server.wait_for_termination()
+    def serve_until_signalled(self, name: str = "shmtransport worker") -> None:
+        """Start, print ``NAME ready: ADDRESS device D pid P`` (what ``WorkerProcess`` waits for),
+        serve until SIGTERM or SIGINT, then stop. For a process's main thread (signal handlers)."""
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        self.start()
+        print(f"{name} ready: {self.address} device {self.service.device} pid {os.getpid()}", flush=True)
+        try:
+            stop.wait()
+        finally:
+            self.stop()
