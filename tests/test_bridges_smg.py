@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import time
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import InvalidArgument
 from shmtransport.frontend import request as frontend
 from shmtransport.protocol.items import FeatureItem, FieldConfig
+from shmtransport.testing import settle_daemon
 from shmtransport.v1 import generate_pb2 as gpb
 
 
@@ -185,7 +185,4 @@ def test_shm_handles_in_dedicated_segments_read_by_smgs_reader(daemon, stock_unl
     assert torch.equal(got_grid, tensor_from_proto(inline.model_specific_tensors["image_grid_thw"]))
     want = np.stack([items[0].kwargs["pixel_values"], items[1].kwargs["pixel_values"]])
     np.testing.assert_array_equal(got_pv.numpy(), want)
-    deadline = time.monotonic() + 3
-    while daemon.stat().live_objects and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert daemon.stat().live_objects == 0
+    assert settle_daemon(daemon, max_objects=0).live_objects == 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 
 from shmtransport.client import Consumer, Producer
 from shmtransport.errors import HandleError
+from shmtransport.testing import settle_daemon
 
 SHM = "/dev/shm"
 
@@ -27,13 +27,9 @@ def stock_read_and_unlink(name: str, offset: int, nbytes: int) -> bytes:
     return data
 
 
-def settle(daemon, timeout_s=3.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = daemon.stat()
-        if s.live_objects == 0 or time.monotonic() > deadline:
-            return s
-        time.sleep(0.02)
+def settle(daemon):
+    """The daemon's Stat once its objects are gone (releases are asynchronous), or after 3 s."""
+    return settle_daemon(daemon, max_leases=1 << 30, max_objects=0)
 
 
 def test_handle_names_its_own_segment_and_reader_may_unlink(daemon):
