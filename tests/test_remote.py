@@ -81,12 +81,13 @@ def host_two_nodes(conn, remote_kwargs: dict | None = None):
     from shmtransport.remote import COUNTERS, RemoteExporter, namespace_of
     from shmtransport.remote.daemon_ext import remote_extension
 
-    daemons = []
+    daemons, remotes = [], []  # remotes: each daemon's RemoteExtension, as on_install hands it over
     try:
         for ns in ("test-node-a", "test-node-b"):
-            daemons.append(testing.start_daemon(arena_nbytes=ARENA_NBYTES, shm_namespace=ns,
-                                                extensions=[remote_extension(**(remote_kwargs or {}))]))
+            extension = remote_extension(**(remote_kwargs or {}), on_install=remotes.append)
+            daemons.append(testing.start_daemon(arena_nbytes=ARENA_NBYTES, shm_namespace=ns, extensions=[extension]))
         a, b = daemons
+        a_remote = remotes[0]
         with Producer(a.socket_path) as producer, Consumer(b.socket_path) as local_consumer:
             exporter = RemoteExporter(producer)
             handles = []
@@ -110,9 +111,9 @@ def host_two_nodes(conn, remote_kwargs: dict | None = None):
                     handles.extend(new)
                     conn.send([exporter.export(h).SerializeToString() for h in new])
                 elif cmd == "stat":
-                    conn.send((a.stat().live_leases, a.remote.live_sessions, COUNTERS.snapshot()))
+                    conn.send((a.stat().live_leases, a_remote.live_sessions, COUNTERS.snapshot()))
                 elif cmd == "settle":
-                    ok = testing.wait_until(lambda: a.stat().live_leases == 0 and a.remote.live_sessions == 0,
+                    ok = testing.wait_until(lambda: a.stat().live_leases == 0 and a_remote.live_sessions == 0,
                                             args[0], what="remote leases and sessions gone")
                     conn.send(bool(ok))
                 elif cmd == "release_all":

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
     from google.protobuf.message import Message
 
-    from .remote.daemon_ext import RemoteInstall
+    from .remote.daemon_ext import RemoteExtension, RemoteInstall
     from .v1 import daemon_pb2 as pb
 
 # sun_path is 108 bytes on Linux, the terminating NUL included.
@@ -85,10 +85,11 @@ def _host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _remote_extensions(args: argparse.Namespace) -> list[RemoteInstall]:
-    """The remote tier (NIXL) when ``--remote`` is given; its options are checked before the
-    daemon starts (the secret is read from a file or the environment, never from argv, which
-    every local user can read in ``ps``)."""
+def _remote_extensions(args: argparse.Namespace, on_install: Callable[[RemoteExtension], None]
+                       ) -> list[RemoteInstall]:
+    """The remote tier (NIXL) when ``--remote`` is given (``on_install`` gets its extension once the
+    daemon starts); its options are checked before the daemon starts (the secret is read from a
+    file or the environment, never from argv, which every local user can read in ``ps``)."""
     tier_flags = ("remote_advertise", "remote_secret_file", "remote_tls_cert", "remote_tls_key", "remote_tls_ca")
     if args.remote is None:
         given = [f"--{name.replace('_', '-')}" for name in tier_flags if getattr(args, name) is not None]
@@ -108,7 +109,7 @@ def _remote_extensions(args: argparse.Namespace) -> list[RemoteInstall]:
             raise ValueError("mutual TLS needs all of --remote-tls-cert, --remote-tls-key and --remote-tls-ca")
         tls = RemoteTLS.from_files(*tls_files)
     host, port = args.remote
-    return [remote_extension(host, port, args.remote_advertise, secret=secret, tls=tls)]
+    return [remote_extension(host, port, args.remote_advertise, on_install, secret=secret, tls=tls)]
 
 
 def _run_daemon(args: argparse.Namespace) -> int:
@@ -136,8 +137,9 @@ def _run_daemon(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"shmtransportd: {problem}", file=sys.stderr)
         return 2
+    remotes: list[RemoteExtension] = []
     try:
-        extensions = _remote_extensions(args)
+        extensions = _remote_extensions(args, remotes.append)
     except (ShmTransportError, ValueError, OSError) as exc:
         print(f"shmtransportd: {exc}", file=sys.stderr)
         return 2
@@ -150,8 +152,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
     except (ShmTransportError, ValueError, OSError) as exc:  # a failed start undid itself: say why, once
         print(f"shmtransportd: cannot start: {exc}", file=sys.stderr)
         return 2
-    remote = getattr(daemon, "remote", None)
-    where = f", remote {remote.endpoint} ({remote.auth_mode})" if remote is not None else ""
+    where = "".join(f", remote {remote.endpoint} ({remote.auth_mode})" for remote in remotes)
     print(f"shmtransportd ready: socket {daemon.socket_path}{where}", flush=True)
     try:
         stop.wait()

@@ -279,8 +279,6 @@ class Daemon:
         self.sessions: SessionServer[Tenant] | None = None
         self._sweeper: threading.Thread | None = None
         self._metrics_server: socketserver.BaseServer | None = None
-        # Set by the remote tier's extension when installed (its RemoteExtension, a layer above).
-        self.remote: object | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":

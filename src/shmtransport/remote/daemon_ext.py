@@ -290,7 +290,7 @@ def remote_extension(
     ``secret``: a shared secret every peer call must carry (``RemoteReader(secret=...)``);
     ``tls``: a ``RemoteTLS`` (this daemon's certificate and key, the CA of the peers' client
     certificates): TLS on the TCP port, client certificates required. Neither: unauthenticated
-    (a warning at start). The extension object is also set as ``daemon.remote``.
+    (a warning at start).
     """
     # Bad options fail here, not inside Daemon.start.
     check_secret(secret)
@@ -300,7 +300,6 @@ def remote_extension(
     def install(daemon: Daemon, server: grpc.Server) -> Callable[[], None]:
         ext = RemoteExtension(daemon, listen_host, listen_port, advertise_host, secret, tls)
         stop = ext.install(server)
-        daemon.remote = ext
         if on_install is not None:
             on_install(ext)
         return stop
