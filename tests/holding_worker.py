@@ -14,7 +14,6 @@ no such hold. Tests start it with ``WorkerProcess(..., entry=ENTRY)``: it takes 
 """
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 import time
@@ -43,32 +42,9 @@ def hold(service: GeneratorService, inputs: EngineInputs, context: grpc.Servicer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--socket", required=True, help="Unix socket to serve gRPC on")
-    parser.add_argument("--daemon-socket", required=True, help="shmtransportd socket")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-inline-bytes", type=int, default=None, help="inline tensor bytes per request")
-    parser.add_argument("--torch-threads", type=int, default=None)
-    parser.add_argument("--log-level", default="WARNING")
-    args = parser.parse_args(argv)
+    from shmtransport.worker.process import serve_entry
 
-    import dataclasses
-    import logging
-
-    from shmtransport.protocol.limits import DEFAULT_LIMITS
-    from shmtransport.worker.server import WorkerServer
-
-    logging.basicConfig(level=args.log_level.upper())
-    limits = DEFAULT_LIMITS
-    if args.max_inline_bytes is not None:
-        limits = dataclasses.replace(limits, max_inline_bytes=args.max_inline_bytes)
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
-    WorkerServer(f"unix:{args.socket}", args.daemon_socket, device=args.device, limits=limits,
-                 after_open=hold).serve_until_signalled("holding worker")
-    return 0
+    return serve_entry("holding worker", argv, after_open=hold)
 
 
 if __name__ == "__main__":

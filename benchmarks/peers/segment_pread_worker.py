@@ -12,7 +12,6 @@ Every other request takes the worker's shared-memory path. The ingest plugs into
 """
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import sys
@@ -85,27 +84,9 @@ def _pread_segment(name: str, nbytes: int, dtype: str, shape):
 
 def main(argv: list[str] | None = None) -> int:
     """The options ``WorkerProcess`` passes; the same ready line as ``shmtransport worker``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--socket", required=True, help="Unix socket to serve gRPC on")
-    parser.add_argument("--daemon-socket", required=True, help="shmtransportd socket")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-inline-bytes", type=int, default=None, help="inline tensor bytes per request")
-    parser.add_argument("--log-level", default="WARNING")
-    args = parser.parse_args(argv)
+    from shmtransport.worker.process import serve_entry
 
-    import dataclasses
-    import logging
-
-    from shmtransport.protocol.limits import DEFAULT_LIMITS
-    from shmtransport.worker.server import WorkerServer
-
-    logging.basicConfig(level=args.log_level.upper())
-    limits = DEFAULT_LIMITS
-    if args.max_inline_bytes is not None:
-        limits = dataclasses.replace(limits, max_inline_bytes=args.max_inline_bytes)
-    WorkerServer(f"unix:{args.socket}", args.daemon_socket, device=args.device, limits=limits,
-                 ingests={INGEST: ingest}).serve_until_signalled("segment_pread worker")
-    return 0
+    return serve_entry("segment_pread worker", argv, ingests={INGEST: ingest})
 
 
 if __name__ == "__main__":

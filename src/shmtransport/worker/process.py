@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from types import TracebackType
+from typing import Any
 
 # Torch's OpenMP threads spin for a while after each parallel region by default; on a machine the
 # worker shares with the frontend (tests, benchmarks, the demo) that spinning steals the cores the
@@ -70,6 +71,39 @@ def stop_process(proc: subprocess.Popen[str] | None, timeout_s: float = 10.0) ->
         if stream is not None:
             stream.close()
     return proc.returncode
+
+
+def serve_entry(name: str, argv: list[str] | None = None, **service_options: Any) -> int:
+    """The main of a ``WorkerProcess(entry=...)`` script: parse the options ``WorkerProcess`` passes
+    (``--socket``, ``--daemon-socket``, ``--device``, ``--max-inline-bytes``, ``--torch-threads``,
+    ``--log-level``), then serve the reference worker with ``service_options`` (``GeneratorService``'s
+    extension points: ``ingests``, ``after_open``) until SIGTERM, its ready line naming ``name``."""
+    import argparse
+    import dataclasses
+    import logging
+
+    from ..protocol.limits import DEFAULT_LIMITS
+    from .server import WorkerServer
+
+    parser = argparse.ArgumentParser(prog=name)
+    parser.add_argument("--socket", required=True, help="Unix socket to serve gRPC on")
+    parser.add_argument("--daemon-socket", required=True, help="shmtransportd socket")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-inline-bytes", type=int, default=None, help="inline tensor bytes per request")
+    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    limits = DEFAULT_LIMITS
+    if args.max_inline_bytes is not None:
+        limits = dataclasses.replace(limits, max_inline_bytes=args.max_inline_bytes)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    WorkerServer(f"unix:{args.socket}", args.daemon_socket, device=args.device, limits=limits,
+                 **service_options).serve_until_signalled(name)
+    return 0
 
 
 class WorkerProcess:
