@@ -198,17 +198,21 @@ class BlockingChild:
     def recv(self, timeout_s: float = DEFAULT_CHILD_TIMEOUT_S) -> Any:
         if not self._conn.poll(timeout_s):
             raise ChildTimeout(f"child {self.pid} sent nothing within {timeout_s} s")
-        try:
-            msg = self._conn.recv()
-        except EOFError:
-            self.process.join(5)
-            raise ChildError(f"child {self.pid} died (exit code {self.process.exitcode})") from None
+        msg = self._receive()
         if isinstance(msg, tuple) and msg and msg[0] == "err" and len(msg) == 6:
             raise _unpack_exception(msg)
         if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "done":
             self._done = msg
             raise ChildError(f"child {self.pid} returned {msg[1]!r} instead of reporting")
         return msg
+
+    def _receive(self) -> Any:
+        """The child's next message (one is waiting); ChildError when it died instead."""
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise ChildError(f"child {self.pid} died (exit code {self.process.exitcode})") from None
 
     def send(self, value: Any) -> None:
         self._conn.send(value)
@@ -236,11 +240,7 @@ class BlockingChild:
             if not self._conn.poll(timeout_s):
                 self.kill()
                 raise ChildTimeout(f"child {self.pid} did not finish within {timeout_s} s")
-            try:
-                msg = self._conn.recv()
-            except EOFError:
-                self.process.join(5)
-                raise ChildError(f"child {self.pid} died (exit code {self.process.exitcode})") from None
+            msg = self._receive()
             if msg[0] == "err":
                 self.kill()
                 raise _unpack_exception(msg)
