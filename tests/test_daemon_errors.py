@@ -425,6 +425,19 @@ def test_empty_batch_is_refused_as_invalid_argument(producer, consumer, call):
     raise_reason(info, InvalidArgument, Reason.INVALID_ARGUMENT)
 
 
+@pytest.mark.parametrize("kwargs", [
+    pytest.param({}, id="nothing"),
+    pytest.param({"shape": (4, 4)}, id="shape-without-dtype"),
+    pytest.param({"nbytes": 16, "dtype": np.float32}, id="dtype-without-shape"),
+    pytest.param({"nbytes": 8, "shape": (4,), "dtype": np.float32}, id="nbytes-not-the-shapes"),
+])
+def test_a_loan_spec_that_does_not_say_its_type_and_size_is_refused(producer, served, kwargs):
+    with pytest.raises(InvalidArgument) as info:
+        producer.loan(**kwargs)
+    raise_reason(info, InvalidArgument, Reason.INVALID_ARGUMENT)
+    assert served.stat().used_nbytes == 0  # refused before anything was loaned
+
+
 # The limit bounds one daemon request; loans placed in the object table send none.
 @RPC_PATH
 def test_batch_above_the_limit_is_refused_as_invalid_argument(served, producer):

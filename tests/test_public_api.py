@@ -41,6 +41,9 @@ def test_every_exported_name_resolves():
     for name in shmtransport.__all__:
         assert getattr(shmtransport, name) is not None, name
     assert set(shmtransport.__all__) <= set(dir(shmtransport))
+    # dir() shows what a user may use: no helper this module imports (Any, importlib, ...)
+    assert {name for name in dir(shmtransport) if not name.startswith("__")} == set(shmtransport.__all__) - {
+        "__version__"}
 
 
 def test_importing_the_package_loads_no_grpc_and_no_kernels():

@@ -27,6 +27,7 @@ def record(daemon):
 
 SAMPLE_FIXTURES = '''
 import os
+import subprocess
 import sys
 from multiprocessing import shared_memory
 
@@ -105,6 +106,15 @@ def test_leaves_a_child_holding_a_segment():
     child = BlockingChild(child_holds_a_segment, LEAK_NAME + "child")
     child.recv(timeout_s=30)
     _kept.append(child)
+
+
+@pytest.mark.shm_leak_check
+def test_leaves_a_subprocess_running():
+    _kept.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # SUBPROCESS"]))
+
+
+def test_waits_for_its_subprocess(shm_leak_check):
+    subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=60)
 
 
 @pytest.mark.shm_leak_check
@@ -224,16 +234,19 @@ def test_fixtures_round_trip_and_each_leak_fails_its_test_with_the_leak_listed(p
             if os.path.exists(os.path.join(SHM_DIR, leaked)):
                 os.unlink(os.path.join(SHM_DIR, leaked))
     out = result.stdout.str()
-    result.assert_outcomes(passed=11, errors=6)
+    result.assert_outcomes(passed=13, errors=7)
     errors = teardown_errors(out)
     assert set(errors) == {"test_leaks_a_dev_shm_file", "test_leaks_an_fd", "test_leaves_a_child_holding_a_segment",
-                           "test_leaks_a_lease", "test_keeps_a_view_of_a_released_lease",
-                           "test_leaks_a_loan_on_an_unclosed_producer"}, out
+                           "test_leaves_a_subprocess_running", "test_leaks_a_lease",
+                           "test_keeps_a_view_of_a_released_lease", "test_leaks_a_loan_on_an_unclosed_producer"}, out
     assert f"/dev/shm entries left behind: /dev/shm/{leak_name}" in errors["test_leaks_a_dev_shm_file"], out
     assert re.search(rf"fds left open: \d+ -> /dev/shm/{leak_name}", errors["test_leaks_a_dev_shm_file"]), out
     assert re.search(r"fds left open: \d+ -> pipe:\[\d+\], \d+ -> pipe:\[\d+\]", errors["test_leaks_an_fd"]), out
     child_block = errors["test_leaves_a_child_holding_a_segment"]  # the child made it, and holds it
-    assert "child processes still alive: [<SpawnProcess" in child_block, out
+    assert re.search(r"child processes still alive \(killed\): pid \d+ \(.*spawn_main", child_block), out
+    # A child started with subprocess, not multiprocessing: found too, named by its command line.
+    assert re.search(r"child processes still alive \(killed\): pid \d+ \(.*# SUBPROCESS\)",
+                     errors["test_leaves_a_subprocess_running"]), out
     assert f"/dev/shm entries left behind: /dev/shm/{leak_name}child" in child_block, out
     lease_block = errors["test_leaks_a_lease"]
     assert "live leases left at the end of the test (1 new)" in lease_block, out

@@ -4,7 +4,9 @@
 #     and check its tag;
 #  2. the manylinux wheel in a fresh venv: the C kernels load, and the core tests pass against it;
 #  3. the sdist installed in a fresh venv on a machine with no C compiler: the install succeeds on
-#     the pure-Python kernels, and the pure-Python suite passes from the unpacked sdist.
+#     the pure-Python kernels, and the pure-Python suite passes from the unpacked sdist;
+#  4. the README's install lines, as written, in a fresh venv from a copy of the checkout: the
+#     package, then a wheel built and installed; a daemon, `health` and a round trip run from it.
 # Tests that need an optional upstream package (vLLM, SMG, Dynamo, ...) skip in these venvs; they
 # run in `make test`. The repo's src/ is never on the path: what runs is what was installed.
 set -euo pipefail
@@ -52,3 +54,44 @@ tar -xzf "$sdist" -C "$OUT/sdist" --strip-components=1
   "import shmtransport; assert shmtransport.BACKEND == 'python', shmtransport.BACKEND" 2>&1 \
   | grep -q "using the pure-Python kernels")
 (cd "$OUT/sdist" && SHMTRANSPORT_BACKEND=python ../venv-nocc/bin/python -m pytest -q)
+
+echo "== the README's install lines in a fresh venv, from a copy of the checkout"
+rm -rf "$OUT/checkout" "$OUT/venv-readme" && mkdir -p "$OUT/checkout"
+git ls-files -z --cached --others --exclude-standard | tar -c --null -T - | tar -x -C "$OUT/checkout"
+python3 -m venv "$OUT/venv-readme"
+"$OUT/venv-readme/bin/pip" install -q --upgrade pip
+"$PY" - README.md > "$OUT/readme-install.sh" <<'EXTRACT'
+import re, sys
+text = open(sys.argv[1]).read()
+block = re.search(r"<!-- not run: installs a package; tools/test_dist.sh[^>]*-->\n```bash\n(.*?)```", text, re.S)
+assert block, "the README's install block (marked for tools/test_dist.sh) is gone"
+print("set -ex")
+print(block.group(1))
+EXTRACT
+(cd "$OUT/checkout" && PATH="$(cd ../venv-readme/bin && pwd):$PATH" bash ../readme-install.sh)
+(cd "$OUT" && PATH="$(cd venv-readme/bin && pwd):$PATH" bash -euo pipefail <<'SMOKE'
+test "$(ls checkout/dist/shmtransport-*.whl | wc -l)" = 1
+python -m pip uninstall -q -y shmtransport  # the wheel's line again, now that it installs something
+python -m pip install -q checkout/dist/shmtransport-*.whl
+python -c "import shmtransport, sys; assert shmtransport.BACKEND == 'c'; assert 'venv-readme' in shmtransport.__file__"
+sockdir=$(mktemp -d /tmp/shmt-readme.XXXXXX)
+sock=$sockdir/d.sock
+shmtransport daemon --socket "$sock" --arena-size 16M > daemon.log 2>&1 &
+daemon=$!
+trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null || true; rm -rf "$sockdir"' EXIT
+for _ in $(seq 100); do grep -q "shmtransportd ready" daemon.log && break; sleep 0.1; done
+shmtransport health --socket "$sock"
+python - "$sock" <<'PY'
+import sys
+import numpy as np
+from shmtransport import Consumer, Producer
+with Producer(sys.argv[1]) as producer, Consumer(sys.argv[1]) as consumer:
+    handle = producer.put(np.arange(1 << 20, dtype=np.float32), digest=True)
+    with consumer.acquire(handle) as lease:
+        lease.verify()
+        assert np.array_equal(lease.array, np.arange(1 << 20, dtype=np.float32))
+    producer.release(handle, wait=True)
+print("round trip through the README-installed package: ok")
+PY
+SMOKE
+)

@@ -9,10 +9,8 @@ in the request; the worker's ``Consumer.acquire(Handle.from_bytes(data))`` retur
 whose ``array`` and ``tensor()`` are zero-copy views. The README has the complete two-process
 example (it runs as a test).
 """
-from __future__ import annotations
-
-import importlib
-from typing import Any
+import importlib as _importlib
+from typing import Any as _Any
 
 __version__ = "0.1.0"
 
@@ -27,6 +25,8 @@ _EXPORTS = {
     "Lease": ".client",
     "AsyncProducer": ".aio",
     "AsyncConsumer": ".aio",
+    "InlinePolicy": ".frontend.request",
+    "NO_INLINE": ".frontend.request",
     "Reason": ".errors",
     "ShmTransportError": ".errors",
     "InvalidArgument": ".errors",
@@ -47,14 +47,15 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'shmtransport' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip this hook
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names (and the module's dunders), not the helpers this module imports."""
+    return sorted({name for name in globals() if name.startswith("__")} | set(__all__))

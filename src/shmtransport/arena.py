@@ -15,8 +15,10 @@ read-only shared mapping would kill the process with SIGSEGV.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import re
@@ -27,6 +29,7 @@ import weakref
 from .errors import HandleError, PermissionDenied, Reason, ResourceExhausted, Unavailable
 from .shm_names import SHM_DIR
 
+_log = logging.getLogger(__name__)
 POPULATE_MAX_NBYTES = 4 << 30  # larger arenas fault pages in on first touch instead
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
@@ -59,10 +62,14 @@ def _check_segment_fd(
 
 
 class _SharedMap(mmap.mmap):
-    """A MAP_SHARED mapping that keeps its segment's fd (read-only ones) for ``private_view``."""
+    """A MAP_SHARED mapping that keeps its segment's fd (read-only ones) for ``private_view``,
+    and (writable ones) the page ranges ``protect`` made read-only."""
 
     fd: int | None = None
     _close_fd: weakref.finalize | None = None  # set when an fd is kept: closes it at close or collection
+    # Read-only page ranges of a writable mapping: sorted starts, and start -> end (addresses).
+    _protected_starts: list[int] | None = None
+    _protected_ends: dict[int, int] | None = None
 
     def close(self) -> None:
         super().close()  # BufferError while a view is alive: the fd stays too
@@ -244,3 +251,60 @@ def private_view(shared: memoryview, offset: int) -> memoryview:
     weakref.finalize(window, _libc.munmap, addr, length).atexit = False  # views may outlive exit hooks
     with memoryview(window) as whole:
         return whole.cast("B")[offset - start : offset - start + shared.nbytes]
+
+
+# -- committed bytes made read-only in the producer ----------------------------------------------
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+# Each protected range may split the mapping into two more VMAs (vm.max_map_count is 65530 by
+# default): past this many, commits are left writable rather than risk ENOMEM elsewhere.
+PROTECTED_RANGES_MAX = 8192
+
+
+def _address(memory: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(memory)) if memory.nbytes else 0
+
+
+def protect(memory: memoryview) -> bool:
+    """Make the whole pages of ``memory`` (a writable view of a segment mapped here) read-only in
+    this process, so a write through a view kept past commit faults instead of changing what
+    consumers read. The partial pages at either end (shared with neighbouring objects) stay
+    writable. True when some page was protected. Undone by ``unprotect`` when the range is loaned
+    again."""
+    segment = memory.obj
+    if not isinstance(segment, _SharedMap):
+        return False
+    start = _address(memory)
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + memory.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi <= lo:
+        return False
+    if segment._protected_starts is None or segment._protected_ends is None:
+        segment._protected_starts, segment._protected_ends = [], {}
+    if len(segment._protected_starts) >= PROTECTED_RANGES_MAX:
+        return False
+    if _libc.mprotect(lo, hi - lo, mmap.PROT_READ) != 0:
+        _log.debug("mprotect read-only failed: %s", os.strerror(ctypes.get_errno()))
+        return False
+    bisect.insort(segment._protected_starts, lo)
+    segment._protected_ends[lo] = hi
+    return True
+
+
+def unprotect(memory: memoryview) -> None:
+    """Make writable again every range ``protect`` made read-only that meets ``memory`` (a new
+    loan over bytes of an object that is gone). Costs nothing while no range is protected."""
+    segment = memory.obj
+    if not isinstance(segment, _SharedMap) or not segment._protected_starts or segment._protected_ends is None:
+        return
+    starts, ends = segment._protected_starts, segment._protected_ends
+    start = _address(memory)
+    end = start + memory.nbytes
+    # Ranges are disjoint and sorted: those starting before our end that also end after our start.
+    i = bisect.bisect_left(starts, end)
+    while i > 0 and ends[starts[i - 1]] > start:
+        lo = starts.pop(i - 1)
+        hi = ends.pop(lo)
+        if _libc.mprotect(lo, hi - lo, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+            raise ResourceExhausted(f"cannot make a loaned range writable again: {os.strerror(ctypes.get_errno())} "
+                                    "(too many mappings: vm.max_map_count)", Reason.FD_LIMIT)
+        i -= 1

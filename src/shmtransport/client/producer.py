@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 import grpc
-import numpy as np
 from google.protobuf.message import Message
 
 from .._backend import kernels
@@ -55,7 +54,8 @@ class Producer(_Client):
 
     def loan(self, nbytes: int | None = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
              dedicated: bool = False) -> Loan:
-        """Writable shared memory for one tensor: ``loan(nbytes)`` (uint8) or ``loan(shape=, dtype=)``."""
+        """Writable shared memory for one tensor: ``loan(nbytes)`` (uint8) or ``loan(shape=, dtype=)``
+        (both given, or InvalidArgument)."""
         return self.loan_many([(nbytes, shape, dtype)], dedicated=dedicated)[0]
 
     def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]],
@@ -305,7 +305,9 @@ def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> t
         if nbytes is None or dtype is not None:
             raise InvalidArgument("loan needs nbytes, or shape and dtype")
         return "uint8", (int(nbytes),), tensor_nbytes((int(nbytes),), "uint8")
-    name = dtype_name(dtype if dtype is not None else np.uint8)
+    if dtype is None:  # as with numpy.empty, a shape alone would silently mean uint8 here
+        raise InvalidArgument("loan(shape=...) needs a dtype too (or loan(nbytes) for raw bytes)")
+    name = dtype_name(dtype)
     shape = tuple(int(d) for d in shape)
     size = tensor_nbytes(shape, name)
     if nbytes is not None and nbytes != size:

@@ -128,6 +128,7 @@ class Loan(_View):
     def __init__(self, client: "Producer", handle: Handle, memory: memoryview,
                  placed: tuple[TableClient, Placed] | None = None) -> None:
         """``placed``: the object-table entry of a loan placed in this producer's own grant."""
+        arena.unprotect(memory)  # the bytes of an object committed here earlier may be read-only
         super().__init__(client, handle, memory)
         self._placed = placed
         self.committed = False
@@ -141,6 +142,16 @@ class Loan(_View):
         Raises ClosedError (released), StateError (already committed), Unavailable (the daemon
         restarted under the loan)."""
         return self._client.commit_many([self], digest=digest, hold_ms=hold_ms, wait=wait)[0]
+
+    def _seal(self) -> None:
+        """Committed bytes are immutable: ``array`` becomes read-only (a write raises ValueError)
+        and, while any view of the bytes is alive, their whole pages are made read-only in this
+        process (a write through any other view, a torch tensor included, faults: SIGSEGV)."""
+        if self._array is not None:
+            self._array.flags.writeable = False
+        if self._memory is not None and self._views_alive():
+            arena.protect(self._memory)
+        super()._seal()
 
     def release(self) -> None:
         """Give the loan back without committing (or drop the producer reference after commit)."""

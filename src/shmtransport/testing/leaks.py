@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Iterable
@@ -52,6 +53,7 @@ class LeakSnapshot:
         gc.collect()
         self.shm = shm_entries()
         self.fds = open_fds()
+        self.descendants = set(_live_descendants())
 
     def new_shm_entries(self) -> set[str]:
         """Entries that appeared since the snapshot and are still there, whoever made them
@@ -71,14 +73,61 @@ class LeakSnapshot:
                 return grown if len(now) > base else {}
             time.sleep(0.05)
 
-    @staticmethod
-    def live_children(settle_s: float = 2.0) -> list[multiprocessing.process.BaseProcess]:
+    def live_children(self, settle_s: float = 2.0) -> dict[int, str]:
+        """Descendant processes started since the snapshot that are still running after
+        ``settle_s`` (pid -> command line), however they were started: ``multiprocessing``,
+        ``subprocess``, ``os.fork``, or a grandchild of any of them. Exited ones not yet reaped
+        (zombies) and process-wide helpers (multiprocessing's resource tracker) do not count."""
         deadline = time.monotonic() + settle_s
         while True:
-            children = multiprocessing.active_children()  # also reaps finished ones
-            if not children or time.monotonic() >= deadline:
-                return children
+            multiprocessing.active_children()  # reaps finished multiprocessing children
+            ignore = self.descendants | _process_global_pids()
+            alive = {pid: cmd for pid, cmd in _live_descendants().items() if pid not in ignore}
+            if not alive or time.monotonic() >= deadline:
+                return alive
             time.sleep(0.05)
+
+
+def _process_global_pids() -> set[int]:
+    """Helper processes that process-wide machinery starts once and keeps (multiprocessing's
+    resource tracker, started by the first ``spawn``): not a test's leak."""
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if isinstance(pid, int) else set()
+
+
+def _live_descendants() -> dict[int, str]:
+    """This process's running descendants (pid -> command line), zombies left out."""
+    live = {}
+    for pid in _process_tree(os.getpid())[1:]:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if state not in (b"Z", b"X"):
+            live[pid] = cmdline
+    return live
+
+
+def _kill(pids: Iterable[int], timeout_s: float = 5.0) -> None:
+    """SIGKILL each process; reap the ones that are our own children."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
+                break  # a grandchild (its parent reaps it), or reaped by its owner meanwhile
+            time.sleep(0.01)
 
 
 # -- which new /dev/shm entries are a test's own ----------------------------------------------
@@ -294,9 +343,10 @@ class LeakCheck:
         self.stop()
         problems = list(self._reported)
         notes: list[str] = []
-        children = LeakSnapshot.live_children() if self.check_children else []
+        children = self.snapshot.live_children() if self.check_children else {}
         if children:
-            problems.append(f"child processes still alive: {children}")
+            problems.append("child processes still alive (killed): " + ", ".join(
+                f"pid {pid} ({cmd[:120]})" for pid, cmd in sorted(children.items())))
         if self.check_shm:  # before the children are killed: what they hold is the test's
             ours, others = self.new_shm_entries()
             if ours:
@@ -305,9 +355,8 @@ class LeakCheck:
             if others:
                 notes.append("new /dev/shm entries of other processes, not counted (no prefix of this run, "
                              f"not opened, mapped or held by this test's processes): {sorted(others)}")
-        for child in children:
-            child.kill()
-            child.join(5)
+        _kill(children)
+        multiprocessing.active_children()  # lets multiprocessing see its killed children exit
         if self.check_fds:
             grown = self.snapshot.fd_growth(self.fd_settle_s, ignore=self._ignored_fds)
             if grown:
