@@ -95,6 +95,8 @@ def test_a_command_line_mistake_is_one_line_and_exit_2(mistake, tmpdir_short, ne
                 "unknown flag": "--colour", "bad number": "negative",
                 **{name: words for name, (_, words) in REMOTE_MISTAKES.items()}}[mistake]
     assert expected in lines[0]
+    if mistake == "metrics port in use":
+        assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in lines[0]
     assert segments_of(prefix) == []  # a failed start leaves nothing behind
 
 
@@ -251,11 +253,157 @@ def test_stat_counts_only_a_kill_as_a_death_and_what_a_close_left_as_released_at
             child.kill()
             wait_until(lambda: daemon.stat().live_objects == 0, what="the dead child's lease reclaimed")
     stat = _cli_json("stat", "--socket", sock)
-    assert (int(stat["reclaimed_death_leases"]), int(stat["reclaimed_death_nbytes"])) == (1, 2 * MiB)
-    assert int(stat["sessions_closed"]) == 3  # both producers and the consumer; the child died
+    assert (stat["reclaimed_death_leases"], stat["reclaimed_death_loans"], stat["reclaimed_death_nbytes"]) == (
+        1, 0, 2 * MiB)
+    assert stat["sessions_closed"] == 3  # both producers and the consumer; the child died
     # A table client releases its own objects in shared memory as it closes; through the daemon
     # (no table, or the pure-Python kernels), the loan is the daemon's to free at the close.
-    released = (0, 0) if killed.shm.slot else (0, MiB)
-    assert (int(stat["released_at_close_leases"]), int(stat["released_at_close_nbytes"])) == released
+    released = (0, 0, 0) if killed.shm.slot else (0, 1, MiB)
+    assert (stat["released_at_close_leases"], stat["released_at_close_loans"],
+            stat["released_at_close_nbytes"]) == released
     text = run_cli("stat", "--socket", sock).stdout
-    assert "reclaimed (death) 1 leases" in text and "(4 sessions closed)" in text  # the CLI closed one too
+    # The CLI's own session of the stat above only looked: not one of the sessions closed.
+    assert "reclaimed (death) 1 leases, 0 uncommitted loans" in text
+    assert "(3 sessions closed; 1 more only looked" in text
+
+
+def _ls_text(sock: str, *args: str) -> str:
+    result = run_cli("ls", "--socket", sock, *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_ls_says_the_daemon_cut_the_list_only_when_it_did_and_filters_objects_with_holders(make_daemon):
+    daemon = make_daemon()
+    sock = daemon.socket_path
+    with Producer(sock, timeout_s=TIMEOUT_S) as producer, Consumer(sock, timeout_s=TIMEOUT_S) as consumer:
+        leased = producer.put(np.ones(2 * MiB, np.uint8))
+        lease = consumer.acquire(leased)
+        waiting = producer.put(np.ones(MiB, np.uint8))
+        loan = producer.loan(4096)
+        # A filter hides objects; the daemon sent all three: no word of --limit.
+        text = _ls_text(sock, "--state", "handoff")
+        assert "1 shown of 3 live objects" in text and "2 hidden by the filters" in text
+        assert "the daemon sent" not in text and "--limit" not in text
+        # --limit cut the list: said, with how many were sent.
+        text = _ls_text(sock, "--limit", "1")
+        assert "1 shown of 3 live objects" in text and "the daemon sent the largest 1 only (--limit)" in text
+        assert "hidden" not in text
+        # Who holds memory: the objects with consumer leases, and only them.
+        listing = _cli_json("ls", "--socket", sock, "--leased")
+        assert [(o["nbytes"], o["holder_sessions"]) for o in listing["objects"]] == [(2 * MiB, [consumer.session_id])]
+        text = _ls_text(sock, "--leased")
+        assert "1 shown of 3 live objects" in text and "2 hidden by the filters" in text
+        lease.release()
+        wait_until(lambda: _cli_json("ls", "--socket", sock, "--leased")["objects"] == [],
+                   timeout_s=TIMEOUT_S, what="the released lease gone from ls --leased")
+        loan.release()
+        for h in (leased, waiting):
+            producer.release(h)
+
+
+def test_stat_and_ls_json_print_counters_as_json_numbers(make_daemon):
+    daemon = make_daemon()
+    sock = daemon.socket_path
+    with Producer(sock, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.ones(MiB, np.uint8))
+        stat = _cli_json("stat", "--socket", sock)
+        # 64-bit counters are numbers, not the strings of protobuf's JSON mapping: jq '.used_nbytes > 0' works.
+        assert type(stat["used_nbytes"]) is int and stat["used_nbytes"] >= MiB
+        assert type(stat["arena"]["nbytes"]) is int and stat["arena"]["nbytes"] == daemon.arena_info.nbytes
+        assert type(stat["allocations_total"]) is int and type(stat["allocations_per_s"]) in (int, float)
+        [client] = stat["clients"]
+        assert type(client["pid"]) is int and type(client["committed_nbytes"]) is int
+        assert client["committed_nbytes"] + client["table_committed_nbytes"] == MiB
+        listing = _cli_json("ls", "--socket", sock)
+        assert type(listing["total_objects"]) is int and listing["total_objects"] == 1
+        [obj] = listing["objects"]
+        assert (type(obj["offset"]), type(obj["nbytes"]), type(obj["generation"])) == (int, int, int)
+        assert obj["nbytes"] == MiB and obj["holder_pids"] == [] and obj["state"] == "committed"
+        report = _cli_json("health", "--socket", sock)
+        assert report["status"] == "ok" and type(report["used_nbytes"]) is int
+        producer.release(handle)
+
+
+def test_ls_and_stat_into_a_pipe_whose_reader_is_gone_end_quietly(make_daemon):
+    daemon = make_daemon()
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handles = [producer.put(np.ones(4096, np.uint8)) for _ in range(3)]
+        for command in ("ls", "stat"):
+            read_end, write_end = os.pipe()
+            os.close(read_end)  # `shmtransport ls | head` once head has exited
+            try:
+                result = subprocess.run([sys.executable, "-m", "shmtransport", command, "--socket", daemon.socket_path],
+                                        stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S)
+            finally:
+                os.close(write_end)
+            # As a process SIGPIPE killed: no traceback, no "Exception ignored" at exit.
+            assert (result.returncode, result.stderr) == (128 + signal.SIGPIPE, ""), (command, result.stderr)
+        for h in handles:
+            producer.release(h)
+
+
+def _loan_and_wait(conn, socket_path: str, nbytes: int, count: int) -> None:
+    from shmtransport import Producer
+
+    producer = Producer(socket_path, timeout_s=TIMEOUT_S)
+    loans = [producer.loan(nbytes) for _ in range(count)]  # never committed
+    conn.send(sum(loan.handle.nbytes for loan in loans))
+    conn.recv()  # killed here
+
+
+@pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
+def test_stat_counts_a_killed_producers_uncommitted_loans_as_loans_not_leases(make_daemon, object_slots):
+    daemon = make_daemon(object_slots=object_slots)
+    sock = daemon.socket_path
+    with BlockingChild(_loan_and_wait, sock, MiB, 2) as child:
+        assert child.recv() == 2 * MiB
+        child.kill()
+    wait_until(lambda: daemon.stat().live_objects == 0, timeout_s=TIMEOUT_S, what="the dead producer's loans freed")
+    stat = _cli_json("stat", "--socket", sock)
+    assert (stat["reclaimed_death_leases"], stat["reclaimed_death_loans"], stat["reclaimed_death_nbytes"]) == (
+        0, 2, 2 * MiB)
+    text = run_cli("stat", "--socket", sock).stdout
+    assert f"reclaimed (death) 0 leases, 2 uncommitted loans, {2 * MiB} bytes" in text
+
+
+def test_stat_per_client_lines_count_the_leases_a_consumer_holds_in_the_object_table(make_daemon):
+    daemon = make_daemon()
+    sock = daemon.socket_path
+    with Producer(sock, timeout_s=TIMEOUT_S) as producer, Consumer(sock, timeout_s=TIMEOUT_S) as consumer:
+        handles = [producer.put(np.ones(4096, np.uint8)) for _ in range(5)]
+        leases = [consumer.acquire(h) for h in handles]
+        stat = _cli_json("stat", "--socket", sock)
+        assert stat["live_leases"] == 5
+        by_session = {c["session_id"]: c for c in stat["clients"]}
+        mine = by_session[consumer.session_id]
+        assert mine["leases"] + mine["table_leases"] == 5
+        made = by_session[producer.session_id]
+        assert made["leases"] + made["table_leases"] == 0
+        assert made["committed_nbytes"] + made["table_committed_nbytes"] == 5 * 4096
+        text = run_cli("stat", "--socket", sock).stdout
+        assert "objects/leases  5 / 5" in text
+        assert f"session {consumer.session_id[:8]}: loaned 0 B, committed 0 B, 5 leases" in text
+        assert f"session {producer.session_id[:8]}: loaned 0 B, committed {5 * 4096} B, 0 leases" in text
+        for lease in leases:
+            lease.release()
+        for h in handles:
+            producer.release(h)
+
+
+def test_the_clis_own_sessions_are_not_counted_as_closed_sessions(make_daemon):
+    daemon = make_daemon()
+    sock = daemon.socket_path
+    with Producer(sock, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.ones(4096, np.uint8))
+        with Consumer(sock, timeout_s=TIMEOUT_S) as consumer:
+            consumer.acquire(handle).release()
+        producer.release(handle)
+    for looked, command in enumerate(("stat", "ls", "health", "stat")):
+        if command != "stat":
+            assert run_cli(command, "--socket", sock).returncode == 0
+            continue
+        stat = _cli_json("stat", "--socket", sock)
+        # The producer and the consumer closed; the CLI's earlier runs only looked.
+        assert (stat["sessions_closed"], stat["observer_sessions_closed"]) == (2, looked)
+    assert "(2 sessions closed; 4 more only looked: stat, ls, health)" in run_cli("stat", "--socket", sock).stdout

@@ -222,3 +222,30 @@ def test_an_expired_lease_is_quarantined_for_a_local_client_and_reclaimed_for_a_
         check_counters(registry)
     finally:
         walk.close()
+
+
+def test_a_dead_producers_loans_count_as_loans_and_a_session_that_only_looked_as_an_observer():
+    walk = Walk(seed=0)
+    registry = walk.registry
+    try:
+        for session_id in ("producer", "consumer", "cli"):
+            registry.open_session(session_id, pid=1, uid=0)
+        loans = registry.loan("producer", [4096, 4096])  # never committed
+        made = registry.loan("producer", [4096])
+        registry.commit("producer", made.handles, hold_ms=0)
+        registry.acquire("consumer", made.handles, ttl_ms=MAX_TTL_MS)
+        registry.note_looked("consumer")  # a consumer that also asked for Stat is still a consumer
+        registry.note_looked("cli")
+        registry.close_session("producer")  # died: its loans are loans, its committed object lives on
+        stat = registry.stat()
+        assert (stat.reclaimed_death_leases, stat.reclaimed_death_loans, stat.reclaimed_death_nbytes) == (
+            0, len(loans.handles), 2 * 4096)
+        registry.close_session("consumer", closed_by_client=True)
+        registry.close_session("cli", closed_by_client=True)
+        stat = registry.stat()
+        assert (stat.released_at_close_leases, stat.released_at_close_loans, stat.released_at_close_nbytes) == (
+            1, 0, 4096)
+        assert (stat.sessions_closed, stat.observer_sessions_closed) == (1, 1)
+        check_counters(registry)
+    finally:
+        walk.close()

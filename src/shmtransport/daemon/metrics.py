@@ -52,13 +52,16 @@ _COUNTERS = {
     "reclaimed_ttl_leases": "Remote peers' leases expired by TTL",
     "quarantined_leases_total": "Leases quarantined after outliving their TTL",
     "reclaimed_death_nbytes": "Bytes freed because their holder's session died",
-    "reclaimed_death_leases": "Leases dropped because their holder's session died",
+    "reclaimed_death_leases": "Consumer leases dropped because their holder's session died",
+    "reclaimed_death_loans": "Loans never committed, dropped because their producer's session died",
     "reclaimed_handoff_objects": "Committed objects reclaimed because nobody acquired them within the hand-off window",
     "reclaimed_handoff_nbytes": "Bytes of the objects reclaimed at the end of their hand-off window",
     "parked_grants_taken": "Grants idle producers parked that the daemon took back for others",
     "sessions_total": "Client sessions opened",
-    "sessions_closed": "Client sessions ended by the client (Close); the others ended by a death",
-    "released_at_close_leases": "Leases still held by clients that closed their session, released then",
+    "sessions_closed": "Client sessions ended by the client (Close), observers' apart; the others ended by a death",
+    "observer_sessions_closed": "Sessions ended by Close that only asked for Stat or List and held nothing",
+    "released_at_close_leases": "Consumer leases still held by clients that closed their session, released then",
+    "released_at_close_loans": "Loans never committed by clients that closed their session, released then",
     "released_at_close_nbytes": "Bytes freed when clients closed their session",
 }
 UNIX_PREFIX = "unix:"
@@ -188,5 +191,8 @@ def start_metrics_server(daemon: Daemon, address: str) -> socketserver.BaseServe
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise InvalidArgument(f"metrics address {address!r} is neither HOST:PORT nor unix:/path")
-    server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    try:
+        server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    except OSError as exc:  # e.g. EADDRINUSE, whose text names no address
+        raise OSError(exc.errno, f"cannot serve metrics on {address}: {exc.strerror}") from exc
     return server

@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -73,6 +73,23 @@ class Grant:
     nslots: int
 
 
+class ClosedHoldings(NamedTuple):
+    """What a session still held in the table when it ended (``ObjectBook.close_session``)."""
+
+    held: int  # slots its bit held plus its proxied leases: its own objects' and others'
+    leases: int  # of those, leases: its bit on other producers' objects, and its proxied leases
+    loans: int  # of those, its own loans never committed
+    freed_nbytes: int  # bytes of the objects that died with it
+
+
+class SessionHoldings(NamedTuple):
+    """What a live session holds with its own bit in the table (``ObjectBook.session_holdings``)."""
+
+    leases: int
+    loaned_nbytes: int
+    committed_nbytes: int
+
+
 @dataclasses.dataclass
 class ProxyLease:
     slot: int
@@ -110,14 +127,22 @@ class ObjectBook:
         self._bits[session_id] = bit
         return bit
 
-    def close_session(self, session_id: str, release_bytes: ReleaseBytes) -> tuple[int, int]:
+    def close_session(self, session_id: str, release_bytes: ReleaseBytes) -> ClosedHoldings:
         """The session ended (closed or died): clear its bit everywhere, drop its proxy leases, and
         orphan its grants. Its bit is free again only after that, so no new session inherits a
-        hold. Returns (holds it still had, bytes of the objects that died with them)."""
-        held = freed_nbytes = 0
+        hold. Returns what it still held and the bytes of the objects that died with it."""
+        held = leases = loans = freed_nbytes = 0
         bit = self._bits.pop(session_id, None)
         if bit is not None:
+            # Which of its holds are its own objects (loans, or committed ones it kept its
+            # reference to), read before the bit is cleared: a slot the bit holds is not reused
+            # meanwhile, and the session no longer changes its own bit.
+            cols = self.table.columns
+            mine = (cols["holders"] & np.uint64(1 << bit)) != 0
+            own = mine & (cols["owner"] == bit)
+            loans = int((own & (cols["state"] == LOANED)).sum())
             held, _freed, freed_nbytes = self.table.clear_bit(bit)
+            leases = max(held - int(own.sum()), 0)  # its bit on other producers' objects
             # Its objects that live on (handed off) keep no owner: the next session given this bit
             # must not look like their producer (Stat counts an owner's bit as no lease).
             owners = self.table.columns["owner"]
@@ -126,11 +151,12 @@ class ObjectBook:
         for lease_id in [i for i, lease in self._proxy_leases.items() if lease.session_id == session_id]:
             self._drop_proxy(lease_id)
             held += 1
+            leases += 1
         for grant in self._grants.values():
             if grant.session_id == session_id:
                 grant.session_id = None
         self.reclaim_orphans(release_bytes)
-        return held, freed_nbytes
+        return ClosedHoldings(held, leases, loans, freed_nbytes)
 
     def bit_of(self, session_id: str) -> int | None:
         return self._bits.get(session_id)
@@ -329,6 +355,25 @@ class ObjectBook:
             "leases": leases + self.proxy_leases,
             "handoff": int(((holders & np.uint64(HANDOFF)) != 0).sum()),
         }
+
+    def session_holdings(self) -> dict[str, SessionHoldings]:
+        """Per session with a bit: the leases it holds in the table (its bit on other producers'
+        objects) and the bytes of its own objects there, loaned and committed (the daemon books
+        none of these; proxied leases are in the registry's books)."""
+        cols = self.table.columns
+        holders = cols["holders"].copy()  # one read: the words keep changing under us
+        live = np.flatnonzero(holders)
+        if not live.size or not self._bits:
+            return {session_id: SessionHoldings(0, 0, 0) for session_id in self._bits}
+        words, owners = holders[live], cols["owner"][live]
+        nbytes, loaned = cols["nbytes"][live], cols["state"][live] == LOANED
+        holdings = {}
+        for session_id, bit in self._bits.items():
+            held = (words & np.uint64(1 << bit)) != 0
+            own = held & (owners == bit)
+            holdings[session_id] = SessionHoldings(int((held & ~own).sum()), int(nbytes[own & loaned].sum()),
+                                                   int(nbytes[own & ~loaned].sum()))
+        return holdings
 
     _STATE_NAMES = {LOANED: "loaned", COMMITTED: "committed", HELD: "held"}
 

@@ -31,6 +31,11 @@ class Session:
     committed_nbytes: int = 0
     producer_refs: set[int] = dataclasses.field(default_factory=set)  # keys of their Allocations
     leases: set[int] = dataclasses.field(default_factory=set)  # lease ids
+    # Whether it made a call that loans, grants, commits, acquires or releases through the daemon
+    # (``used``), or asked for Stat or List (``looked``): a session that only looked and ends with
+    # Close holding nothing is an observer's (``shmtransport stat``), counted apart.
+    used: bool = False
+    looked: bool = False
 
     @property
     def owned_nbytes(self) -> int:

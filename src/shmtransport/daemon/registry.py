@@ -128,30 +128,46 @@ class Registry:
     def live_sessions(self) -> int:
         return len(self._sessions)
 
+    def note_looked(self, session_id: str) -> None:
+        """The session asked for Stat or List (see ``Session.looked``)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None:
+                session.looked = True
+
     def close_session(self, session_id: str, closed_by_client: bool = False) -> None:
         """The session ended: drop everything it held (committed objects keep their hand-off).
         ``closed_by_client``: the client said so (Close), and what it held counts as released at
-        close; otherwise its socket closed without a word, and it counts as reclaimed from a death."""
+        close; otherwise its socket closed without a word, and it counts as reclaimed from a death.
+        Consumer leases and loans never committed are counted apart; a closed session that only
+        looked (``Session.looked``, nothing held) counts as an observer's, not in sessions_closed."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 return
-            leases = nbytes = 0
+            held = len(session.producer_refs)  # what it still held: references, leases, table holds
+            leases = loans = nbytes = 0
             for lease_id in list(session.leases):
                 lease = self._leases.get(lease_id)
                 if lease is not None:
                     leases += 1
                     nbytes += self._drop_lease(lease, session)
             for key in list(session.producer_refs):
-                nbytes += self._drop_producer_ref(self._objects[key], session)
+                obj = self._objects[key]
+                loans += obj.state is ObjState.LOANED  # a reference to a committed object is neither
+                nbytes += self._drop_producer_ref(obj, session)
+            held += leases
             if self.objects is not None:
-                held, freed = self.objects.close_session(session_id, self._free_granted)
-                leases, nbytes = leases + held, nbytes + freed
+                in_table = self.objects.close_session(session_id, self._free_granted)
+                held += in_table.held
+                leases, loans, nbytes = leases + in_table.leases, loans + in_table.loans, nbytes + in_table.freed_nbytes
             kind = "released_at_close" if closed_by_client else "reclaimed_death"
             self.counters[f"{kind}_leases"] += leases
+            self.counters[f"{kind}_loans"] += loans
             self.counters[f"{kind}_nbytes"] += nbytes
             if closed_by_client:
-                self.counters["sessions_closed"] += 1
+                observer = session.looked and not session.used and not held
+                self.counters["observer_sessions_closed" if observer else "sessions_closed"] += 1
 
     # -- grants: space producers place objects in themselves (the object table) ------------------
     def grant(self, session_id: str, nbytes: int, nslots: int, wait_s: float = 0.0,
@@ -585,9 +601,18 @@ class Registry:
 
     # -- introspection ---------------------------------------------------------------------------
     def _client_stats(self) -> list[pb.ClientStat]:
-        return [pb.ClientStat(session_id=s.session_id, pid=s.pid, uid=s.uid, loaned_nbytes=s.loaned_nbytes,
-                              committed_nbytes=s.committed_nbytes, leases=len(s.leases))
-                for s in self._sessions.values()]
+        """Each session's holdings: what the daemon books for it, and what it holds with its own
+        bit in the object table."""
+        in_table = self.objects.session_holdings() if self.objects is not None else {}
+        clients = []
+        for s in self._sessions.values():
+            t = in_table.get(s.session_id)
+            clients.append(pb.ClientStat(
+                session_id=s.session_id, pid=s.pid, uid=s.uid, loaned_nbytes=s.loaned_nbytes,
+                committed_nbytes=s.committed_nbytes, leases=len(s.leases),
+                table_leases=t.leases if t else 0, table_loaned_nbytes=t.loaned_nbytes if t else 0,
+                table_committed_nbytes=t.committed_nbytes if t else 0))
+        return clients
 
     def list_objects(self, limit: int = 0) -> pb.ListResponse:
         """Every live object of the tenant, largest first (at most ``limit``, capped at
@@ -667,10 +692,13 @@ class Registry:
                 reclaimed_ttl_leases=c["reclaimed_ttl_leases"],
                 reclaimed_death_nbytes=c["reclaimed_death_nbytes"],
                 reclaimed_death_leases=c["reclaimed_death_leases"],
+                reclaimed_death_loans=c["reclaimed_death_loans"],
                 allocation_failures=c["allocation_failures"],
                 sessions_total=c["sessions_total"],
                 sessions_closed=c["sessions_closed"],
+                observer_sessions_closed=c["observer_sessions_closed"],
                 released_at_close_leases=c["released_at_close_leases"],
+                released_at_close_loans=c["released_at_close_loans"],
                 released_at_close_nbytes=c["released_at_close_nbytes"],
                 waiting_calls=self._waiting_calls,
             )
@@ -712,10 +740,13 @@ class Registry:
         return self.objects
 
     def _live_session(self, session_id: str) -> Session:
+        """The session of a call that loans, grants, commits, acquires or releases (marked
+        ``used``); PermissionDenied (UNKNOWN_SESSION) when it is not live."""
         session = self._sessions.get(session_id)
         if session is None:
             raise PermissionDenied("unknown or closed session: connect through the daemon's handshake",
                                    Reason.UNKNOWN_SESSION)
+        session.used = True
         return session
 
     def _key(self, h: pb.Handle) -> int | None:

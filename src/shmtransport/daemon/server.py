@@ -241,11 +241,13 @@ class _Servicer(pb_grpc.DaemonServicer):
         return pb.ReleaseResponse()
 
     def Stat(self, request: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
-        _, tenant = self._session(context)
+        session_id, tenant = self._session(context)
+        tenant.registry.note_looked(session_id)
         return self._daemon.stat(tenant)
 
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        _, tenant = self._session(context)
+        session_id, tenant = self._session(context)
+        tenant.registry.note_looked(session_id)
         return tenant.registry.list_objects(request.limit)
 
     def Close(self, request: pb.CloseRequest, context: grpc.ServicerContext) -> pb.CloseResponse:

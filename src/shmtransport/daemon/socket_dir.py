@@ -3,21 +3,20 @@
 The sockets live in a directory only the daemon's owner can create entries in, so no other uid can
 bind the name first, plant a symlink there or swap the directory. An exclusive ``flock`` on
 ``<socket>.lock``, held for the daemon's life, tells a live daemon on the same socket (refuse to
-start) from a dead one's leftovers (removed: safe because the directory is ours).
+start) from a dead one's leftovers (removed: safe because the directory is ours); the lock itself
+is ``socket_lock``'s, shared with the workers' sockets.
 """
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import stat
 
-from ..errors import InvalidArgument, PermissionDenied, ShmTransportError, StateError
+from ..errors import InvalidArgument, PermissionDenied, ShmTransportError
+from ..socket_lock import LOCK_SUFFIX, SocketInUse, lock_socket
 
 SESSION_SUFFIX = ".session"
-LOCK_SUFFIX = ".lock"
-_LOCK_ATTEMPTS = 5
 _log = logging.getLogger("shmtransport.daemon")
 
 
@@ -25,7 +24,7 @@ class UnsafeSocketDir(PermissionDenied):
     """The socket directory is not one only the daemon's owner (or root) controls."""
 
 
-class DaemonAlreadyRunning(StateError):
+class DaemonAlreadyRunning(SocketInUse):
     """A live daemon holds the socket's lock."""
 
 
@@ -158,36 +157,6 @@ def _check_dir(directory: str, st: os.stat_result, other_uids: bool, group_gid: 
 
 
 def _lock(dir_fd: int, socket_path: str) -> int:
-    """The fd holding an exclusive flock on ``<socket_path>.lock``, with our pid written in it."""
-    name = os.path.basename(socket_path) + LOCK_SUFFIX
-    for _ in range(_LOCK_ATTEMPTS):
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
-                         dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENXIO):
-                raise
-            os.unlink(name, dir_fd=dir_fd)  # a symlink or a socket: never a daemon's lock file
-            continue
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # e.g. a FIFO: never a daemon's lock file either
-            os.close(fd)
-            os.unlink(name, dir_fd=dir_fd)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DaemonAlreadyRunning(f"another shmtransportd (pid {pid}) is serving {socket_path}") from None
-        # A daemon stopping between our open and our flock unlinked this file: ours only if still named.
-        try:
-            now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            now = None
-        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            return fd
-        os.close(fd)
-    raise ShmTransportError(f"cannot take {socket_path}{LOCK_SUFFIX}: it was replaced {_LOCK_ATTEMPTS} times")
+    """The fd holding an exclusive flock on ``<socket_path>.lock``, with our pid written in it
+    (``socket_lock.lock_socket``, which the workers' sockets use too)."""
+    return lock_socket(dir_fd, socket_path, what="shmtransportd", error=DaemonAlreadyRunning)

@@ -41,11 +41,13 @@ from ..protocol import sampling as sampling_mod
 from ..protocol.capabilities import server_info
 from ..protocol.items import FieldConfig
 from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..socket_lock import claim_socket, unix_socket_path
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
 from ..worker.request import EngineInputs, open_request
 from . import environment
 
+DESCRIPTION = "vLLM's engine behind the Generator service, fed zero-copy from shmtransport's arena"
 _FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
 _UnaryContext = grpc.aio.ServicerContext[gpb.GenerateRequest, gpb.GenerateResponse]
 # GenerateStream also runs under Generate's (unary) context
@@ -222,27 +224,43 @@ async def serve(args: argparse.Namespace) -> None:
         consumer.close()
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """vLLM's own parser (every engine flag) with ours added. Sets the engine environment and
+    imports vLLM: raises ModuleNotFoundError without it (``shmtransport vllm-worker`` says what to
+    install)."""
     environment.apply()
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from ..wire import default_socket_path
 
-    parser = FlexibleArgumentParser(prog="shmtransport vllm-worker",
-                                    description="vLLM's engine behind the Generator service, fed zero-copy "
-                                                "from shmtransport's arena")
+    parser = FlexibleArgumentParser(prog="shmtransport vllm-worker", description=DESCRIPTION)
     parser.add_argument("--address", default="127.0.0.1:50061", help="gRPC address (HOST:PORT or unix:PATH)")
     parser.add_argument("--daemon-socket", default=default_socket_path(), help="shmtransportd socket")
     parser.add_argument("--verify", choices=("always", "never"), default="always",
                         help="recompute each item's identity from shared memory before the engine runs")
-    parser = AsyncEngineArgs.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import uvloop
+    return cast(argparse.ArgumentParser, AsyncEngineArgs.add_cli_args(parser))
 
-    uvloop.run(serve(args))
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT. A ``unix:PATH`` address is claimed before the engine starts
+    (``socket_lock.claim_socket``): while another live worker serves that path this raises
+    ``SocketInUse`` and leaves its socket alone; at exit the socket is unlinked while still ours."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    path = unix_socket_path(args.address)
+    claim = claim_socket(path, "shmtransport vllm-worker") if path is not None else None
+    try:
+        import uvloop
+
+        uvloop.run(serve(args))
+    finally:
+        if claim is not None:
+            claim.release()
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -163,23 +163,29 @@ class StatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClientStat(_message.Message):
-    __slots__ = ("session_id", "pid", "uid", "loaned_nbytes", "committed_nbytes", "leases")
+    __slots__ = ("session_id", "pid", "uid", "loaned_nbytes", "committed_nbytes", "leases", "table_leases", "table_loaned_nbytes", "table_committed_nbytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     LOANED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    TABLE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    TABLE_LOANED_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TABLE_COMMITTED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pid: int
     uid: int
     loaned_nbytes: int
     committed_nbytes: int
     leases: int
-    def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., loaned_nbytes: _Optional[int] = ..., committed_nbytes: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+    table_leases: int
+    table_loaned_nbytes: int
+    table_committed_nbytes: int
+    def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., loaned_nbytes: _Optional[int] = ..., committed_nbytes: _Optional[int] = ..., leases: _Optional[int] = ..., table_leases: _Optional[int] = ..., table_loaned_nbytes: _Optional[int] = ..., table_committed_nbytes: _Optional[int] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total", "granted_nbytes", "table_objects", "handoff_objects", "reclaimed_handoff_objects", "reclaimed_handoff_nbytes", "parked_nbytes", "parked_grants_taken", "sessions_closed", "released_at_close_leases", "released_at_close_nbytes", "waiting_calls")
+    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total", "granted_nbytes", "table_objects", "handoff_objects", "reclaimed_handoff_objects", "reclaimed_handoff_nbytes", "parked_nbytes", "parked_grants_taken", "sessions_closed", "released_at_close_leases", "released_at_close_nbytes", "waiting_calls", "reclaimed_death_loans", "released_at_close_loans", "observer_sessions_closed")
     ARENA_FIELD_NUMBER: _ClassVar[int]
     USED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +220,9 @@ class StatResponse(_message.Message):
     RELEASED_AT_CLOSE_LEASES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_AT_CLOSE_NBYTES_FIELD_NUMBER: _ClassVar[int]
     WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_DEATH_LOANS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_AT_CLOSE_LOANS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVER_SESSIONS_CLOSED_FIELD_NUMBER: _ClassVar[int]
     arena: ArenaInfo
     used_nbytes: int
     free_nbytes: int
@@ -248,7 +257,10 @@ class StatResponse(_message.Message):
     released_at_close_leases: int
     released_at_close_nbytes: int
     waiting_calls: int
-    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ..., granted_nbytes: _Optional[int] = ..., table_objects: _Optional[int] = ..., handoff_objects: _Optional[int] = ..., reclaimed_handoff_objects: _Optional[int] = ..., reclaimed_handoff_nbytes: _Optional[int] = ..., parked_nbytes: _Optional[int] = ..., parked_grants_taken: _Optional[int] = ..., sessions_closed: _Optional[int] = ..., released_at_close_leases: _Optional[int] = ..., released_at_close_nbytes: _Optional[int] = ..., waiting_calls: _Optional[int] = ...) -> None: ...
+    reclaimed_death_loans: int
+    released_at_close_loans: int
+    observer_sessions_closed: int
+    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ..., granted_nbytes: _Optional[int] = ..., table_objects: _Optional[int] = ..., handoff_objects: _Optional[int] = ..., reclaimed_handoff_objects: _Optional[int] = ..., reclaimed_handoff_nbytes: _Optional[int] = ..., parked_nbytes: _Optional[int] = ..., parked_grants_taken: _Optional[int] = ..., sessions_closed: _Optional[int] = ..., released_at_close_leases: _Optional[int] = ..., released_at_close_nbytes: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., reclaimed_death_loans: _Optional[int] = ..., released_at_close_loans: _Optional[int] = ..., observer_sessions_closed: _Optional[int] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ()

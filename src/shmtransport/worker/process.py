@@ -77,12 +77,14 @@ def serve_entry(name: str, argv: list[str] | None = None, **service_options: Any
     """The main of a ``WorkerProcess(entry=...)`` script: parse the options ``WorkerProcess`` passes
     (``--socket``, ``--daemon-socket``, ``--device``, ``--max-inline-bytes``, ``--torch-threads``,
     ``--log-level``), then serve the reference worker with ``service_options`` (``GeneratorService``'s
-    extension points: ``ingests``, ``after_open``) until SIGTERM, its ready line naming ``name``."""
+    extension points: ``ingests``, ``after_open``) until SIGTERM, its ready line naming ``name``. A
+    socket another live worker serves is refused: one line on stderr, exit status 2."""
     import argparse
     import dataclasses
     import logging
 
     from ..protocol.limits import DEFAULT_LIMITS
+    from ..socket_lock import SocketInUse
     from .server import WorkerServer
 
     parser = argparse.ArgumentParser(prog=name)
@@ -101,8 +103,13 @@ def serve_entry(name: str, argv: list[str] | None = None, **service_options: Any
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    WorkerServer(f"unix:{args.socket}", args.daemon_socket, device=args.device, limits=limits,
-                 **service_options).serve_until_signalled(name)
+    try:
+        server = WorkerServer(f"unix:{args.socket}", args.daemon_socket, device=args.device, limits=limits,
+                              **service_options)
+    except SocketInUse as exc:  # another live worker serves that socket: leave it alone, say so once
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    server.serve_until_signalled(name)
     return 0
 
 

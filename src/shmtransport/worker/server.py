@@ -1,5 +1,5 @@
 """The GPU-worker side of the pipeline: a gRPC ``Generator`` server (Generate, GenerateStream,
-GetServerInfo) that consumes multimodal requests through ``protocol.worker.open_request`` and runs
+GetServerInfo) that consumes multimodal requests through ``worker.request.open_request`` and runs
 ``TinyMultimodalModel``.
 
 Per request: validate the prompt and controls (``sampling.project_sampling``) -> ``open_request``
@@ -51,6 +51,7 @@ from ..protocol import sampling as sampling_mod
 from ..protocol.capabilities import ServerInfoServicer
 from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..protocol.spec import INGEST_KEY, KNOWN_ADAPTERS, TIMING_KEY, grpc_options
+from ..socket_lock import claim_socket, unix_socket_path
 from ..v1 import features_pb2 as fpb
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
@@ -337,10 +338,20 @@ class WorkerServer:
     """The gRPC server around ``GeneratorService``; ``address`` is ``unix:PATH`` or ``HOST:PORT``."""
 
     def __init__(self, address: str, daemon_socket: str | None, *, max_workers: int = 4, **options: Any) -> None:
-        """``options``: ``GeneratorService``'s keyword arguments."""
+        """``options``: ``GeneratorService``'s keyword arguments.
+
+        A ``unix:PATH`` address is claimed first (``socket_lock.claim_socket``: ``PATH.lock``, held
+        until ``stop``): while another live worker serves that path this raises ``SocketInUse``
+        and touches nothing of it; a dead worker's socket file left there is replaced."""
         limits: Limits = options.get("limits", DEFAULT_LIMITS)
         self.address = address
-        self.service = GeneratorService(daemon_socket, **options)
+        path = unix_socket_path(address)
+        self._claim = claim_socket(path, "shmtransport worker") if path is not None else None
+        try:
+            self.service = GeneratorService(daemon_socket, **options)
+        except BaseException:
+            self._release_claim()
+            raise
         max_message = max(64 << 20, limits.max_inline_bytes + (8 << 20))
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=max_workers),
                                    options=grpc_options(max_message), interceptors=[ErrorBoundary()])
@@ -348,7 +359,13 @@ class WorkerServer:
         self.port = self._server.add_insecure_port(address)
         if self.port == 0:
             self.service.close()
+            self._release_claim()
             raise Unavailable(f"worker cannot listen on {address}")
+
+    def _release_claim(self) -> None:
+        """Unlink our socket (and its lock file), then drop the lock: only ever our own socket."""
+        if self._claim is not None:
+            self._claim.release()
 
     def start(self) -> "WorkerServer":
         self._server.start()
@@ -357,11 +374,7 @@ class WorkerServer:
     def stop(self, grace_s: float = 1.0) -> None:
         self._server.stop(grace_s).wait(grace_s + 5)
         self.service.close()
-        if self.address.startswith("unix:"):
-            try:
-                os.unlink(self.address[5:])
-            except FileNotFoundError:
-                pass
+        self._release_claim()
 
     def serve_until_signalled(self, name: str = "shmtransport worker") -> None:
         """Start, print ``NAME ready: ADDRESS device D pid P`` (what ``WorkerProcess`` waits for),
