@@ -55,6 +55,7 @@ ONCE_UNDER_C = {
     "test_pytest_plugin_xdist.py": "the plugin's leak attribution under xdist",
     "test_packaging.py": "building and installing the artifacts",
     "test_layers.py": "the import graph",
+    "test_cli_worker.py": "the workers' command lines (each vLLM-worker case imports vLLM, ~20 s)",
     "test_bench_peers.py": "the benchmark harness's peers (benchmarks measure what ships: the C kernels)",
     "test_bench_scale.py": "the benchmark harness's scale suite and plots (benchmarks measure the C kernels)",
 }

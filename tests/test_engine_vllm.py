@@ -19,7 +19,7 @@ import pytest
 
 from shmtransport import testing
 from shmtransport.client import Consumer, Producer
-from shmtransport.engine import paths, process, tiny_model
+from shmtransport.engine import environment, paths, process, tiny_model
 from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
 from shmtransport.frontend.media import synthetic_image, synthetic_video
 from shmtransport.identity import item_identity
@@ -72,13 +72,14 @@ def vllm_session(tmp_path_factory):
     daemon = testing.start_daemon(arena_nbytes=256 << 20)
     runtime = root / "runtime"
     offline_out = root / "offline.json"
+    offline_env = environment.with_defaults(environment.isolated_environment(runtime), os.environ)
     offline = None
     servers: dict = {}
     try:
         with open(root / "offline.log", "wb") as log:  # the child keeps its own copy of the fd
             offline = subprocess.Popen([sys.executable, os.path.join(HERE, "engine", "offline_vllm.py"), str(model),
                                         str(root / "offline.npz"), str(offline_out)],
-                                       env={**os.environ, **process.engine_environment(runtime)},
+                                       env=offline_env,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         servers = process.start_stock_and_ours(model, daemon.config.socket_path, runtime_dir=runtime, log_dir=root)
         assert offline.wait(600) == 0, (root / "offline.log").read_text()[-4000:]

@@ -48,7 +48,7 @@ def _prompt(meta: dict, arrays: dict):
 
 
 def main(model_dir: str, requests_path: str, out_path: str) -> int:
-    environment.apply()
+    environment.apply_defaults(environment.isolated_environment())
     from vllm import LLM, SamplingParams
 
     flags = dict(zip(process.ENGINE_FLAGS[::2], process.ENGINE_FLAGS[1::2]))

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..errors import Unavailable
 from ..worker.process import die_with_parent
-from .environment import LOOPBACK, engine_environment
+from .environment import LOOPBACK, isolated_environment, with_defaults
 
 # Sizes and switches for a tiny model on a 2-core CPU: eager mode (no graph capture), a small
 # context and batch, no periodic stats.
@@ -61,7 +61,7 @@ class EngineServer:
         self.port = port
         self.address = f"{LOOPBACK}:{port}"
         self.log_path = pathlib.Path(log_path)
-        self._env = {**os.environ, **engine_environment(runtime_dir), **(env or {})}
+        self._env = {**with_defaults(isolated_environment(runtime_dir), os.environ), **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def launch(self) -> "EngineServer":

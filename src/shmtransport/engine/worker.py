@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import socket
 import sys
 from typing import Any, AsyncIterator, cast
 
@@ -225,10 +227,10 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """vLLM's own parser (every engine flag) with ours added. Sets the engine environment and
-    imports vLLM: raises ModuleNotFoundError without it (``shmtransport vllm-worker`` says what to
-    install)."""
-    environment.apply()
+    """vLLM's own parser (every engine flag) with ours added. Sets ``environment.PRIVACY_DEFAULTS``
+    where unset and imports vLLM: raises ModuleNotFoundError without it (``shmtransport
+    vllm-worker`` says what to install)."""
+    environment.apply_defaults(environment.PRIVACY_DEFAULTS)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -242,14 +244,61 @@ def build_parser() -> argparse.ArgumentParser:
     return cast(argparse.ArgumentParser, AsyncEngineArgs.add_cli_args(parser))
 
 
+def _address_problem(address: str) -> str | None:
+    """Why the gRPC server could not listen on ``address``, found before the engine loads; None
+    when it can (or for address schemes other than ``unix:`` and ``HOST:PORT``, left to gRPC)."""
+    path = unix_socket_path(address)
+    if path is not None:
+        parent = os.path.dirname(os.path.abspath(path))
+        return None if os.path.isdir(parent) else f"cannot listen on {address}: no directory {parent}"
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not host:
+        return None if "://" in address else f"--address {address!r} is neither HOST:PORT nor unix:PATH"
+    if not port.isdigit() or int(port) > 65535:
+        return f"--address {address!r}: the port must be a number from 0 to 65535"
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        return f"cannot listen on {address}: {exc.strerror or exc}"
+    return None
+
+
+def _model_problem(model: str | None) -> str | None:
+    """A model given as a local path (absolute, ``./``, ``../``, ``~``) that does not exist; a hub
+    id is vLLM's to resolve."""
+    if not model or not model.startswith(("/", "./", "../", "~")):
+        return None
+    path = os.path.expanduser(model)
+    return None if os.path.exists(path) else f"--model {model}: no such file or directory"
+
+
+def _daemon_problem(daemon_socket: str) -> str | None:
+    """Why this process cannot be a client of the daemon at ``daemon_socket``; None when it can."""
+    try:
+        Consumer(daemon_socket, timeout_s=5.0).close()
+    except (ShmTransportError, OSError) as exc:
+        return f"no usable shmtransport daemon at {daemon_socket}: {exc}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT. A ``unix:PATH`` address is claimed before the engine starts
+    """Serve until SIGTERM or SIGINT. What can be checked before the engine loads (it takes
+    minutes on a real model) is checked first, each problem one line and exit status 2: the
+    address, the model path, the daemon. A ``unix:PATH`` address is claimed before the engine starts
     (``socket_lock.claim_socket``): while another live worker serves that path this raises
     ``SocketInUse`` and leaves its socket alone; at exit the socket is unlinked while still ours."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    problem = _address_problem(args.address) or _model_problem(args.model)
     path = unix_socket_path(args.address)
-    claim = claim_socket(path, "shmtransport vllm-worker") if path is not None else None
+    claim = claim_socket(path, "shmtransport vllm-worker") if path is not None and problem is None else None
     try:
+        problem = problem or _daemon_problem(args.daemon_socket)
+        if problem is not None:
+            print(f"shmtransport vllm-worker: {problem}", file=sys.stderr)
+            return 2
         import uvloop
 
         uvloop.run(serve(args))

@@ -334,18 +334,21 @@ def routing_metadata(request: fpb.MultimodalRequest, *, exact: bool = True) -> d
 
     Each hash is the item's routing marker (``routing.routing_marker``), not its identity: Dynamo's
     worker requires 16 leading hex and passes the marker to vLLM unchanged, so vLLM's extra_keys and
-    the router's pad values come from the same u64. An item without an mm_hash keeps its slot as
-    ``None`` (Dynamo's worker keeps it, aligned; vLLM hashes that item itself). ``exact=False`` (the
+    the router's pad values come from the same u64. An item without an mm_hash is left out, its
+    placeholder too, as Dynamo's frontend leaves it out (a modality with no hashed item is absent),
+    so Dynamo's worker builds the same uuid lists from ours as from its own. ``exact=False`` (the
     router fell back to token-only routing: ``kv_routing.RoutingIdentity.multimodal`` is False) omits
     the hashes, as Dynamo does: their presence turns on multimodal keys in the worker's KV events."""
     from ..protocol.items import modality_from_pb
 
-    hashes: dict[str, list[str | None]] = {}
+    hashes: dict[str, list[str]] = {}
     placeholders: dict[str, list[Any]] = {}
     for batch in request.batches:
         modality = modality_from_pb(batch.modality)
         for it in batch.items:
-            hashes.setdefault(modality, []).append(routing.routing_marker(it.mm_hash) if it.mm_hash else None)
+            if not it.mm_hash:
+                continue
+            hashes.setdefault(modality, []).append(routing.routing_marker(it.mm_hash))
             placeholders.setdefault(modality, []).append(placeholder_to_json(it.placeholder))
     image_only = set(hashes) == {"image"}
     out: dict[str, Any] = {"mm_placeholders": list(placeholders["image"]) if image_only else [],
