@@ -118,6 +118,21 @@ def test_metrics_address_tcp_binds_that_address(make_daemon):
     assert _scrape(port)["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
 
 
+def test_a_tenant_whose_state_cannot_be_read_is_left_out_of_the_metrics_and_the_others_are_not(
+        make_daemon, monkeypatch, caplog):
+    port = _free_port()
+    daemon = make_daemon(metrics_port=port, allowed_uids=(os.geteuid(), 65534))
+
+    def unreadable():  # stands in for a bug in one tenant's books
+        raise RuntimeError("unreadable")
+
+    monkeypatch.setattr(daemon.tenants[1].registry, "stat", unreadable)
+    samples = _scrape(port)
+    assert samples["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
+    assert not [name for name in samples if 'tenant="uid:65534"' in name]
+    assert "cannot read the state of tenant uid:65534" in caplog.text
+
+
 def test_metrics_over_a_unix_socket_are_owner_only_and_removed_at_stop(make_daemon, sock_dir):
     path = os.path.join(sock_dir, "metrics.sock")
     daemon = make_daemon(metrics_address=f"unix:{path}")

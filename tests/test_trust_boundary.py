@@ -4,9 +4,12 @@ requests, waiting calls, and a Loan whose caller gives up. Each test fails on a 
 defence it names (see docs/security.md)."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -292,6 +295,97 @@ def test_idle_handshakes_of_one_uid_are_bounded_and_do_not_lock_out_another_tena
         child.send("exit")
 
 
+WATCH_STREAMS = 200  # more than the daemon's 64 RPC threads
+
+
+def _watch_flood(conn, socket_path: str) -> None:
+    """As uid 65534, without a session: open health Watch streams (each answered at once, then left
+    open) and keep them until told."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    _become_nobody()
+    channel = grpc.insecure_channel(f"unix:{socket_path}", options=GRPC_OPTIONS)
+    stub = health_pb2_grpc.HealthStub(channel)
+    streams = [stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120) for _ in range(WATCH_STREAMS)]
+    # Each answered once, then open. A Watch that held an RPC thread while open would leave the
+    # streams past the 64th unanswered: this child would report nothing.
+    conn.send({next(stream).status for stream in streams})
+    conn.recv()
+    for stream in streams:
+        stream.cancel()
+    channel.close()
+
+
+@needs_root
+def test_health_watch_streams_without_a_session_hold_no_rpc_thread(make_daemon):
+    from grpc_health.v1 import health_pb2
+
+    daemon = make_daemon(allowed_uids=(0, NOBODY))
+    _open_to_nobody(daemon)
+    with BlockingChild(_watch_flood, daemon.socket_path) as child:
+        assert child.recv(timeout_s=60) == {health_pb2.HealthCheckResponse.SERVING}
+        # Every stream is open; the other tenant's calls are still served.
+        with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+            assert consumer.stat().tenant == "uid:0"
+        child.send("exit")
+
+
+def _connection_flood(conn, session_path: str) -> None:
+    """As uid 65534: connect to the session socket and hang up, as fast as it can from 4 threads
+    (each connection is accepted and then dropped), until told to stop; reports the count."""
+    _become_nobody()
+    stop = threading.Event()
+    counts = [0] * 4
+
+    def flood(i: int) -> None:
+        while not stop.is_set():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(session_path)
+                counts[i] += 1
+            except OSError:
+                pass  # the accept queue is full: the flood goes on
+            finally:
+                s.close()
+
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    conn.send("flooding")
+    conn.recv()
+    stop.set()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    conn.send(sum(counts))
+    conn.recv()
+
+
+@needs_root
+def test_a_connection_flood_of_one_tenant_does_not_fail_another_tenants_new_sessions(make_daemon, caplog):
+    caplog.set_level(logging.WARNING, logger="shmtransport.daemon")
+    daemon = make_daemon(allowed_uids=(0, NOBODY))
+    started = time.monotonic()
+    _open_to_nobody(daemon)
+    failures = []
+    with BlockingChild(_connection_flood, daemon.socket_path + ".session") as child:
+        assert child.recv(timeout_s=30) == "flooding"
+        for _ in range(40):  # each waits within its timeout for room in the accept queue
+            try:
+                with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+                    consumer.stat()
+            except ShmTransportError as exc:
+                failures.append(_error(exc))
+        child.send("stop")
+        flooded = child.recv(timeout_s=30)
+        child.send("exit")
+    assert failures == [], f"{len(failures)} of 40 sessions failed while {flooded} connections flooded"
+    assert flooded > 500  # the flood did run meanwhile
+    # Its refusals (handshakes of uid 65534 over the bound) are logged at a bounded rate, not each.
+    refusals = [r for r in caplog.records if "refused session" in r.getMessage()]
+    assert len(refusals) <= 10 + (time.monotonic() - started) + 1, len(refusals)
+
+
 def test_a_hold_longer_than_the_cap_is_refused(make_daemon):
     daemon = make_daemon(max_hold_ms=1000)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
@@ -431,6 +525,173 @@ def test_a_loan_whose_caller_gave_up_while_the_daemon_was_busy_is_undone(make_da
         # Served after the caller left, then undone: nothing stays allocated or granted.
         wait_until(lambda: served() and (s := daemon.stat()).live_objects == 0 and s.used_nbytes == 0
                    and s.granted_nbytes == 0, timeout_s=5, what="the abandoned loan served and undone")
+
+
+def _waiting_grants(conn, socket_path: str, threads: int) -> None:
+    """As uid 65534: fill its own arena, then keep ``threads`` producers waiting for space (each a
+    Grant of the object table) until told."""
+    _become_nobody()
+    with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0, alloc_wait_s=0) as filler:
+        held = filler.put(np.zeros(2 * MiB, np.uint8))
+        producers = [Producer(socket_path, timeout_s=60, daemon_uid=0, alloc_wait_s=30) for _ in range(threads)]
+        outcomes: list[str] = []
+
+        def wait_for_space(producer: Producer) -> None:
+            try:
+                producer.loan(MiB).release()
+                outcomes.append("loaned")
+            except ShmTransportError as exc:
+                outcomes.append(_error(exc))
+
+        workers = [threading.Thread(target=wait_for_space, args=(p,)) for p in producers]
+        for worker in workers:
+            worker.start()
+        conn.send("waiting")
+        conn.recv()
+        filler.release(held, wait=True)  # room: every waiter gets its loan in turn
+        for worker in workers:
+            worker.join(TIMEOUT_S)
+        for producer in producers:
+            producer.close()
+    conn.send(sorted(outcomes))
+    conn.recv()
+
+
+@needs_root
+def test_waiting_grants_cost_the_daemon_no_cpu_while_they_wait(make_daemon):
+    if not objtable.available():
+        pytest.skip("Grants are the object table's; without the C kernels producers loan through the daemon")
+    daemon = make_daemon(allowed_uids=(0, NOBODY), arena_nbytes=2 * MiB)
+    _open_to_nobody(daemon)
+    waiters = 16
+    with BlockingChild(_waiting_grants, daemon.socket_path, waiters) as child:
+        assert child.recv(timeout_s=60) == "waiting"
+        wait_until(lambda: daemon.stat(daemon.tenants[1]).waiting_calls == waiters, timeout_s=30,
+                   what="every grant waiting for space")
+        # The daemon runs in this process, which does nothing else meanwhile.
+        window_s = 1.0
+        cpu = time.process_time()
+        threading.Event().wait(window_s)  # the measured window, not a synchronisation
+        cpu = time.process_time() - cpu
+        assert daemon.stat(daemon.tenants[1]).waiting_calls == waiters
+        child.send("free")
+        assert child.recv(timeout_s=60) == ["loaned"] * waiters  # each was served once room came
+        child.send("exit")
+    assert cpu < 0.1 * window_s, f"{waiters} waiting grants cost {cpu / window_s:.0%} of a core"
+
+
+def _forge_sizes(conn, socket_path: str) -> None:
+    """As uid 65534: hand off two objects, then write the largest u64 into their slots' size words
+    (the object table is mapped writable by every client) and go."""
+    _become_nobody()
+    with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as producer:
+        handles = [producer.put(np.ones(4096, np.uint8)) for _ in range(2)]
+        sizes = producer._conn.table.columns["nbytes"]
+        for handle in handles:
+            sizes[handle.shm.slot - 1] = np.uint64((1 << 64) - 1)
+    conn.send("forged")
+    conn.recv()
+
+
+@needs_root
+def test_sizes_a_client_forged_in_the_table_blank_neither_its_stat_nor_anyones_metrics(make_daemon):
+    if not objtable.available():
+        pytest.skip("the object table is the C kernels'")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon = make_daemon(allowed_uids=(0, NOBODY), handoff_window_ms=100, metrics_port=port)
+    _open_to_nobody(daemon)
+    attacker = daemon.tenants[1]
+    with BlockingChild(_forge_sizes, daemon.socket_path) as child:
+        assert child.recv(timeout_s=60) == "forged"
+        # The hand-off window ends both objects, counting their bytes: bounded by their grant.
+        wait_until(lambda: daemon.stat(attacker).reclaimed_handoff_objects == 2, timeout_s=10,
+                   what="the forged objects reclaimed")
+        s = daemon.stat(attacker)
+        assert s.reclaimed_handoff_nbytes <= s.arena.nbytes * 2 and s.used_nbytes <= s.arena.nbytes
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S) as response:
+            text = response.read().decode()
+        for tenant in ("uid:0", f"uid:{NOBODY}"):
+            assert f'shmtransport_arena_nbytes{{tenant="{tenant}"}}' in text, text[:2000]
+        child.send("exit")
+
+
+def _forge_owners_and_list(conn, socket_path: str, objects: int) -> None:
+    """As uid 65534: write a huge owner into the slots of its own objects, then keep Listing
+    them and opening new sessions of its tenant (each waits for the tenant's books) until told."""
+    _become_nobody()
+    stop = threading.Event()
+    with Producer(socket_path, timeout_s=60, daemon_uid=0) as producer:
+        handles = producer.put_many([np.ones(64, np.uint8)] * objects)
+        owners = producer._conn.table.columns["owner"]
+        for handle in handles:
+            owners[handle.shm.slot - 1] = np.uint64(1 << 27)
+
+        def keep(call) -> None:
+            while not stop.is_set():
+                try:
+                    call()
+                except ShmTransportError:
+                    pass
+
+        def new_session() -> None:
+            Consumer(socket_path, timeout_s=60, daemon_uid=0).close()
+
+        threads = [threading.Thread(target=keep, args=(call,)) for call in (producer.list_objects, new_session)]
+        for thread in threads:
+            thread.start()
+        conn.send("listing")
+        conn.recv()
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+        producer.release(handles, wait=True)
+    conn.send("stopped")
+    conn.recv()
+
+
+@needs_root
+def test_a_forged_owner_word_costs_no_work_and_stalls_no_other_tenants_handshake(make_daemon):
+    if not objtable.available():
+        pytest.skip("the object table is the C kernels'")
+    daemon = make_daemon(allowed_uids=(0, NOBODY))
+    _open_to_nobody(daemon)
+    with BlockingChild(_forge_owners_and_list, daemon.socket_path, 1800) as child:
+        assert child.recv(timeout_s=60) == "listing"
+        for _ in range(10):  # root's new sessions, while the other tenant Lists and connects
+            with Consumer(daemon.socket_path, timeout_s=5) as consumer:
+                assert consumer.stat().tenant == "uid:0"
+        child.send("stop")
+        assert child.recv(timeout_s=150) == "stopped"
+        child.send("exit")
+
+
+def _forge_holds(conn, socket_path: str) -> None:
+    """Hand off three objects and pin each with a hold nobody may have, written into the table:
+    the bit of no session, the daemon's proxy bit without a proxied lease, a hand-off deadline an
+    hour away. Then go, like every other client of the tenant."""
+    from shmtransport.objtable import PROXY_BIT
+
+    with Producer(socket_path, timeout_s=TIMEOUT_S) as producer:
+        stray, proxy, far = producer.put_many([np.ones(4096, np.uint8)] * 3)
+        cols = producer._conn.table.columns
+        cols["holders"][stray.shm.slot - 1] |= np.uint64(1 << 40)
+        cols["holders"][proxy.shm.slot - 1] |= np.uint64(1 << PROXY_BIT)
+        cols["deadline_ns"][far.shm.slot - 1] = np.uint64(time.monotonic_ns() + 3600 * 10**9)
+    conn.send("forged")
+    conn.recv()
+
+
+def test_holds_a_client_forged_do_not_outlive_it_and_the_tenant_returns_to_empty(make_daemon):
+    if not objtable.available():
+        pytest.skip("the object table is the C kernels'")
+    daemon = make_daemon(handoff_window_ms=200, max_hold_ms=1000)
+    with BlockingChild(_forge_holds, daemon.socket_path) as child:
+        assert child.recv(timeout_s=60) == "forged"
+        child.send("exit")
+    wait_until(lambda: (s := daemon.stat()).live_objects == 0 and s.used_nbytes == 0 and not s.clients,
+               timeout_s=10, what="every forged hold dropped and every object freed")
 
 
 # -- planted files ------------------------------------------------------------------------------------

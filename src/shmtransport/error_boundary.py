@@ -153,6 +153,10 @@ class _Boundary:
             return cached[1]
         for attr, make, streaming in _KINDS:
             behavior = getattr(handler, attr)
+            if getattr(behavior, "experimental_non_blocking", False):
+                # It answers through a callback (grpc's health Watch does), holding no thread while
+                # open; a wrapper would turn it into a blocking one. Such handlers raise nothing of ours.
+                return handler
             if behavior is not None:
                 wrap = self._stream if streaming else self._unary
                 wrapped = make(wrap(behavior, method), request_deserializer=handler.request_deserializer,

@@ -55,8 +55,10 @@ IDLE_PARK_S = 0.5
 GrantCall = Callable[[int, int, list[int], int, bool], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms, retry)
 # A producer waiting for space looks at its own grants again after waits growing from the first to
 # the last (its consumers, and its own other threads, free space in its grants without telling the
-# daemon).
-GRANT_POLL_S = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+# daemon). Each look is a Grant call: the tail bounds what a producer waiting long costs the daemon
+# (a few calls a second), at the price of noticing room freed in its own grants that much later.
+# Room anywhere else ends the wait at once (the daemon wakes a waiting Grant when it frees bytes).
+GRANT_POLL_S = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 
 
 @dataclasses.dataclass

@@ -98,7 +98,7 @@ class _Connection:
         sock.settimeout(self.timeout_s)
         fds: list[int] = []
         try:
-            sock.connect(self.socket_path + ".session")
+            _connect_within(sock, self.socket_path + ".session", time.monotonic() + self.timeout_s)
             daemon_uid = self._authenticate(sock)
             access = pb.SESSION_ACCESS_READ_WRITE if self.writable else pb.SESSION_ACCESS_READ_ONLY
             try:
@@ -275,6 +275,25 @@ def _read_session_reply(sock: socket.socket, limit: int = 65536) -> tuple[pb.Ses
         return pb.SessionReply.FromString(payload), fds
     except (ValueError, DecodeError):
         return pb.SessionReply(), fds
+
+
+# A full accept queue (others connecting faster than the daemon accepts) is EAGAIN on a Unix
+# socket: waited out, backing off, until the caller's timeout; a refused connection is not.
+_CONNECT_RETRY_FIRST_S = 0.001
+_CONNECT_RETRY_MAX_S = 0.05
+
+
+def _connect_within(sock: socket.socket, path: str, deadline: float) -> None:
+    delay = _CONNECT_RETRY_FIRST_S
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + delay >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
 
 
 def _check_fd_headroom(needed: int = 16) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import logging
 import os
 import socket
 import socketserver
@@ -27,6 +28,7 @@ from ..errors import InvalidArgument, PermissionDenied
 if TYPE_CHECKING:
     from .server import Daemon
 
+_log = logging.getLogger("shmtransport.daemon")
 _GAUGES = {
     "used_nbytes": "Arena bytes held by live objects",
     "free_nbytes": "Arena bytes neither used nor granted",
@@ -73,8 +75,14 @@ class _DaemonCollector:
         self._daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
-        """Every metric once per tenant, labelled with it."""
-        stats = [self._daemon.stat(tenant) for tenant in self._daemon.tenants]
+        """Every metric once per tenant, labelled with it. A tenant whose state cannot be read
+        (a bug, or what one of its clients wrote) is left out, never the others with it."""
+        stats = []
+        for tenant in self._daemon.tenants:
+            try:
+                stats.append(self._daemon.stat(tenant))
+            except Exception:  # noqa: BLE001 - one tenant's failure stays that tenant's
+                _log.exception("metrics: cannot read the state of tenant %s", tenant.key)
         arena = GaugeMetricFamily("shmtransport_arena_nbytes", "Arena size in bytes", labels=["tenant"])
         gauges = {f: GaugeMetricFamily(f"shmtransport_{f}", doc, labels=["tenant"]) for f, doc in _GAUGES.items()}
         counters = {f: CounterMetricFamily(f"shmtransport_{f.removesuffix('_total')}", doc, labels=["tenant"])

@@ -26,6 +26,7 @@ import time
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ..allocator import Allocator
 from ..errors import (
@@ -98,12 +99,14 @@ class ProxyLease:
 
 
 class ObjectBook:
-    def __init__(self, segment: Segment, nslots: int, handoff_window_ms: int):
+    def __init__(self, segment: Segment, nslots: int, handoff_window_ms: int, max_hold_ms: int = 60_000):
         if nslots <= 0 or nslots % 64:
             raise InvalidArgument(f"object slots must be a positive multiple of 64, got {nslots}")
         self.segment = segment
         self.nslots = nslots
         self.handoff_window_ms = handoff_window_ms
+        # No honest commit sets a deadline further ahead than this (plus the sweep's own slack).
+        self._longest_deadline_ns = (max(handoff_window_ms, max_hold_ms) + 1000) * 1_000_000
         self._map = segment.map()
         self.table = ObjectTable(memoryview(self._map), nslots)
         self._slots = Allocator(nslots * SLOT_NBYTES, page_align_min_nbytes=_NEVER)
@@ -250,26 +253,73 @@ class ObjectBook:
         self.reclaim_orphans(release_bytes)
         if now >= self._next_handoff_scan:
             self._next_handoff_scan = now + self.HANDOFF_SCAN_S
-            if self.expire_handoffs():
+            if self.drop_forged_holds() + self.expire_handoffs():
                 self.reclaim_orphans(release_bytes)
         if now >= self._next_rate_sample:
             self._next_rate_sample = now + self.RATE_SAMPLE_S
             self.sample_allocations(rate_window_s)
 
+    # -- holds nobody may have -------------------------------------------------------------------
+    def drop_forged_holds(self) -> int:
+        """Drop what only a client's writing into the table explains (lock held), so that it never
+        outlives its writer: session bits no live session has, and the proxy bit on slots where the
+        daemon holds no proxied lease. The objects that died of it (their bytes go back with their
+        grants); a forged deadline is ``expire_handoffs``'."""
+        holders = self.table.columns["holders"].copy()  # one read: the words keep changing under us
+        if not holders.size:
+            return 0
+        present = int(np.bitwise_or.reduce(holders))
+        live = 0
+        for bit in self._bits.values():
+            live |= 1 << bit
+        died = dropped = 0
+        stray = present & ((1 << SESSION_BITS) - 1) & ~live
+        while stray:  # a bit no session has: nobody may set it while we hold the lock
+            bit = (stray & -stray).bit_length() - 1
+            stray &= stray - 1
+            held, gone, _ = self.table.clear_bit(bit)
+            dropped, died = dropped + held, died + gone
+        if present >> PROXY_BIT & 1:
+            proxied = {slot for slot, _ in self._proxy_counts}
+            for index in np.flatnonzero(holders & np.uint64(1 << PROXY_BIT)).tolist():
+                if index not in proxied:
+                    held, gone, _ = self.table.clear_bit(PROXY_BIT, index, index + 1)
+                    dropped, died = dropped + held, died + gone
+        if dropped:
+            _log.warning("dropped %d holds no live session or proxied lease has (written by a client); "
+                         "%d objects died of it", dropped, died)
+        return died
+
     # -- the hand-off window ---------------------------------------------------------------------
     def expire_handoffs(self, now_ns: int | None = None) -> int:
-        """End the hand-off windows (and holds) that passed; the objects that died of it."""
+        """End the hand-off windows (and holds) that passed, and those whose deadline lies further
+        ahead than any commit may ask for (a client wrote it); the objects that died of it."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         cols = self.table.columns
-        due = np.flatnonzero(((cols["holders"] >> np.uint64(HANDOFF_BIT)) != 0) & (cols["deadline_ns"] <= now_ns))
+        deadlines = cols["deadline_ns"].copy()
+        handoff = (cols["holders"] >> np.uint64(HANDOFF_BIT)) != 0
+        forged = deadlines > np.uint64(now_ns + self._longest_deadline_ns)
+        due = np.flatnonzero(handoff & ((deadlines <= now_ns) | forged))
         died = 0
         for index in due.tolist():
-            nbytes = int(cols["nbytes"][index])
-            if self.table.expire(index, now_ns):
+            nbytes = self._bounded_nbytes(index)
+            # A forged deadline ends now: the expiry is asked as of that deadline.
+            if self.table.expire(index, max(now_ns, int(deadlines[index]))):
                 died += 1
                 self.counters["reclaimed_handoff_objects"] += 1
                 self.counters["reclaimed_handoff_nbytes"] += nbytes
         return died
+
+    def _bounded_nbytes(self, index: int) -> int:
+        """The size a slot claims, which its producer wrote: no more than the grant it lies in."""
+        grant = next((g for g in self._grants.values() if g.first_slot <= index < g.first_slot + g.nslots), None)
+        return min(int(self.table.columns["nbytes"][index]), grant.nbytes if grant is not None else 0)
+
+    def _bounded_sizes(self, sizes: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        """Slot sizes (written by producers) for sums: none larger than the largest grant, so a
+        forged word cannot wrap a sum around (or push a counter past what Stat can carry)."""
+        largest = max((g.nbytes for g in self._grants.values()), default=0)
+        return np.minimum(sizes, np.uint64(largest))
 
     # -- holds on behalf of clients without a bit ------------------------------------------------
     def proxy_acquire(self, session_id: str, handle: pb.Handle, lease_id: int) -> None:
@@ -351,7 +401,7 @@ class ObjectBook:
         leases = int(np.unpackbits(consumer.view(np.uint8)).sum()) if consumer.size else 0
         return {
             "objects": int(live.sum()),
-            "nbytes": int(cols["nbytes"][live].sum()),
+            "nbytes": int(self._bounded_sizes(cols["nbytes"][live]).sum()),
             "leases": leases + self.proxy_leases,
             "handoff": int(((holders & np.uint64(HANDOFF)) != 0).sum()),
         }
@@ -366,7 +416,7 @@ class ObjectBook:
         if not live.size or not self._bits:
             return {session_id: SessionHoldings(0, 0, 0) for session_id in self._bits}
         words, owners = holders[live], cols["owner"][live]
-        nbytes, loaned = cols["nbytes"][live], cols["state"][live] == LOANED
+        nbytes, loaned = self._bounded_sizes(cols["nbytes"][live]), cols["state"][live] == LOANED
         holdings = {}
         for session_id, bit in self._bits.items():
             held = (words & np.uint64(1 << bit)) != 0
@@ -392,6 +442,8 @@ class ObjectBook:
         for index in np.flatnonzero(holders).tolist():
             word, generation = int(holders[index]), int(cols["generation"][index])
             state, owner_bit = int(cols["state"][index]), int(cols["owner"][index])
+            if not 0 <= owner_bit < SESSION_BITS:  # its producer wrote nonsense: no owner (no work sized by it)
+                owner_bit = SESSION_BITS
             bits = word & ((1 << SESSION_BITS) - 1) & ~(1 << owner_bit)
             sessions = []
             while bits:
@@ -404,7 +456,7 @@ class ObjectBook:
                 offset=int(cols["offset"][index]), nbytes=int(cols["nbytes"][index]), generation=generation,
                 slot=index + 1, state=self._STATE_NAMES.get(state, str(state)), handoff=bool(word & HANDOFF),
                 owner_session=session_of.get(owner_bit, ""), holder_sessions=sessions, age_s=age_s,
-                producer_held=bool(word >> owner_bit & 1)))
+                producer_held=owner_bit < SESSION_BITS and bool(word >> owner_bit & 1)))
         return infos
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from .. import shm_names
 from ..allocator import PAGE, Allocator
@@ -53,6 +53,11 @@ from .segments import Segment, ShmReserve
 
 _log = logging.getLogger("shmtransport.daemon")
 _RATE_WINDOW_S = 5.0
+# How often a waiting Grant looks for room that died in shared memory (orphaned grants): first
+# after ROOM_POLL_S, then at intervals doubling up to ROOM_POLL_MAX_S, the longest delay between a
+# consumer's last release there and a long-waiting producer's grant. Each look wakes a thread.
+ROOM_POLL_S = 0.005
+ROOM_POLL_MAX_S = 0.05
 
 
 class _Deadline(enum.IntEnum):
@@ -60,6 +65,18 @@ class _Deadline(enum.IntEnum):
 
     HOLD = 0  # an object's hold or hand-off window; the entry's key is the Allocation's key
     LEASE = 1  # a lease's TTL; the entry's key is the lease id
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def _saturated_stat(**fields: Any) -> pb.StatResponse:
+    """A StatResponse whose counters stop at the largest uint64 instead of failing to serialise
+    (a counter of bytes may add up sizes a client wrote, even bounded ones, for as long as the
+    daemon runs)."""
+    clamped: dict[str, Any] = {name: min(value, _U64_MAX) if type(value) is int else value
+                               for name, value in fields.items()}
+    return pb.StatResponse(**clamped)
 
 
 LIST_LIMIT = 10_000  # objects in one List answer (a 4 MiB message holds ~40k; the largest come first)
@@ -95,6 +112,7 @@ class Registry:
         self._tenant_base = shm_names.base_of_arena(segment_name)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # notified whenever bytes are freed
+        self._room_poller = False  # whether a waiting Grant polls the table for room (see grant)
         self._commit_waiters: dict[int, list[_CommitWaiter]] = {}  # object key -> waiting Acquires
         self._dedicated_nbytes = 0
         self._quarantined: dict[int, int] = {}  # lease id -> bytes, leases past their TTL
@@ -190,30 +208,44 @@ class Registry:
             nbytes = (nbytes + PAGE - 1) // PAGE * PAGE
             nslots = min(self.objects.nslots, max(64, (nslots + 63) // 64 * 64))
             deadline = time.monotonic() + wait_s
-            while True:
-                offset = None
-                try:
-                    if self.limits.quota_nbytes is not None:
-                        self._check_quota(nbytes)
-                    offset = self.allocator.allocate(nbytes)
-                    return self.objects.grant(session_id, offset, nbytes, nslots)
-                except BaseException as exc:
-                    if offset is not None:
-                        self.allocator.free(offset)
-                    if not isinstance(exc, ResourceExhausted):
-                        raise
-                    if self._make_room():  # orphaned and parked grants hold slots as well as bytes
-                        continue
-                    remaining = deadline - time.monotonic()
-                    # A full table is not waited for: the producer loans through the daemon instead.
-                    if remaining <= 0 or exc.reason is Reason.TABLE_FULL or \
-                            nbytes > min(self.allocator.nbytes, self.quota_nbytes):
-                        if not retry and exc.reason is not Reason.TABLE_FULL:
-                            self.counters["allocation_failures"] += 1
-                        raise
-                    # Orphans die without telling anyone (their consumers release in shared memory).
-                    with self._waiting():
-                        self._freed.wait(min(remaining, 0.005))
+            polling = False
+            poll_s = ROOM_POLL_S
+            try:
+                while True:
+                    offset = None
+                    try:
+                        if self.limits.quota_nbytes is not None:
+                            self._check_quota(nbytes)
+                        offset = self.allocator.allocate(nbytes)
+                        return self.objects.grant(session_id, offset, nbytes, nslots)
+                    except BaseException as exc:
+                        if offset is not None:
+                            self.allocator.free(offset)
+                        if not isinstance(exc, ResourceExhausted):
+                            raise
+                        if self._make_room():  # orphaned and parked grants hold slots as well as bytes
+                            continue
+                        remaining = deadline - time.monotonic()
+                        # A full table is not waited for: the producer loans through the daemon instead.
+                        if remaining <= 0 or exc.reason is Reason.TABLE_FULL or \
+                                nbytes > min(self.allocator.nbytes, self.quota_nbytes):
+                            if not retry and exc.reason is not Reason.TABLE_FULL:
+                                self.counters["allocation_failures"] += 1
+                            raise
+                        # Orphans die without telling anyone (their consumers release in shared
+                        # memory), so the table is polled for them: by one waiter of the tenant at a
+                        # time, the others wait to be woken. Waiting costs the same for 1 or 100.
+                        with self._waiting():
+                            if polling or not self._room_poller:
+                                self._room_poller = polling = True
+                                self._freed.wait(min(remaining, poll_s))
+                                poll_s = min(2 * poll_s, ROOM_POLL_MAX_S)
+                            else:
+                                self._freed.wait(remaining)
+            finally:
+                if polling:  # hand the polling over to a waiter that still waits
+                    self._room_poller = False
+                    self._freed.notify()
 
     def _make_room(self) -> bool:
         """Free what the table lets go of without waiting (lock held): orphaned grants whose
@@ -662,7 +694,7 @@ class Registry:
             clients = self._client_stats()
             a = self.allocator
             c = self.counters
-            return pb.StatResponse(
+            return _saturated_stat(
                 # Bytes of live objects; space granted to producers but not used by an object yet
                 # is in granted_nbytes only (neither used nor free).
                 used_nbytes=a.used_nbytes - granted + table["nbytes"],

@@ -347,7 +347,7 @@ class Daemon:
             if nslots:
                 table_segment = Segment.create(shm_names.table_name(base), objtable.table_nbytes(nslots))
                 try:
-                    objects = ObjectBook(table_segment, nslots, cfg.handoff_window_ms)
+                    objects = ObjectBook(table_segment, nslots, cfg.handoff_window_ms, cfg.max_hold_ms)
                 except BaseException:
                     table_segment.unlink()
                     segment.unlink()

@@ -42,6 +42,35 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13; Python does not name it
 _MAX_GROUPS = 1024
 _ACCEPT_BACKOFF_S = 0.05
+_ACCEPT_BATCH = 64
+
+
+class _RateLimitedLog:
+    """Warnings of one kind, at most ``burst`` at once and ``per_s`` a second after that; what was
+    left out is counted in the next line that gets through. A client that floods the daemon with
+    refused connections must not flood its log (and the disk under it) too."""
+
+    def __init__(self, logger: logging.Logger, per_s: float = 1.0, burst: int = 10) -> None:
+        self._logger = logger
+        self._per_s = per_s
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._last = time.monotonic()
+        self._suppressed = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._per_s)
+        self._last = now
+        if self._tokens < 1.0:
+            self._suppressed += 1
+            return
+        self._tokens -= 1.0
+        if self._suppressed:
+            message += f" ({self._suppressed} similar refusals not logged)"
+            self._suppressed = 0
+        self._logger.warning(message, *args)
+
 HANDSHAKE_TIMEOUT_S = 2.0
 MAX_HANDSHAKE_NBYTES = 1024
 MAX_PENDING_PER_UID = 64
@@ -120,6 +149,7 @@ class SessionServer(Generic[_Tenant]):
         self._tokens_lock = threading.Lock()
         self._pending: dict[socket.socket, _Pending] = {}
         self._pending_per_uid: dict[int, int] = {}
+        self._refusals = _RateLimitedLog(_log)  # logged by the session loop's thread only
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -181,14 +211,20 @@ class SessionServer(Generic[_Tenant]):
         # leaving the loop: stop() drops the remaining sessions
 
     def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:  # e.g. EMFILE: keep serving the sessions we have, retry shortly
-            _log.warning("cannot accept a session (%s); retrying", exc)
-            time.sleep(_ACCEPT_BACKOFF_S)
-            return
+        """Accept what waits in the queue (up to ``_ACCEPT_BATCH`` per wake-up, so handshakes in
+        progress are not starved): one connection per wake-up lets a flood fill the queue."""
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: keep serving the sessions we have, retry shortly
+                _log.warning("cannot accept a session (%s); retrying", exc)
+                time.sleep(_ACCEPT_BACKOFF_S)
+                return
+            self._admit_connection(conn)
+
+    def _admit_connection(self, conn: socket.socket) -> None:
         try:
             pid, uid, gid = peer_credentials(conn)
             groups = peer_groups(conn, gid)
@@ -197,12 +233,12 @@ class SessionServer(Generic[_Tenant]):
             conn.close()
             return
         if not self._allowed(uid, groups):
-            _log.warning("refused session from pid %d uid %d (not in the allowlist)", pid, uid)
+            self._refusals.warning("refused session from pid %d uid %d (not in the allowlist)", pid, uid)
             self._refuse(conn, Reason.PERMISSION_DENIED, f"uid {uid} is not allowed")
             return
         if self._pending_per_uid.get(uid, 0) >= MAX_PENDING_PER_UID:
-            _log.warning("refused session from pid %d uid %d: %d handshakes of this uid pending",
-                         pid, uid, MAX_PENDING_PER_UID)
+            self._refusals.warning("refused session from pid %d uid %d: %d handshakes of this uid pending",
+                                   pid, uid, MAX_PENDING_PER_UID)
             self._refuse(conn, Reason.QUOTA_EXCEEDED, f"too many handshakes of uid {uid} in progress")
             return
         conn.setblocking(False)
@@ -237,7 +273,7 @@ class SessionServer(Generic[_Tenant]):
         try:
             admission = self._admit(pending.pid, pending.uid, pending.groups, request.access == _READ_WRITE)
         except ShmTransportError as exc:
-            _log.warning("refused session from pid %d uid %d: %s", pending.pid, pending.uid, exc)
+            self._refusals.warning("refused session from pid %d uid %d: %s", pending.pid, pending.uid, exc)
             self._refuse(conn, exc.reason, exc.message)
             return
         except OSError as exc:  # e.g. EMFILE opening the arena fd: refuse this one, keep serving
