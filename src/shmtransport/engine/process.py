@@ -101,6 +101,37 @@ class EngineServer:
                 time.sleep(0.25)  # polling a child that is still importing vLLM: nothing to wait on
         raise Unavailable(f"engine server not SERVING after {timeout_s:.0f} s:\n{self.log_tail()}")
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by every live process of this server (its process group)."""
+        if self.proc is None:
+            return 0.0
+        total = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()  # the command name may hold spaces
+            except OSError:
+                continue  # exited meanwhile
+            if int(fields[2]) == self.proc.pid:  # its process group
+                total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def wait_idle(self, timeout_s: float = 5.0, window_s: float = 0.05, max_busy: float = 0.1) -> bool:
+        """Wait until the server uses less than ``max_busy`` of a core over ``window_s`` (its
+        engine settles for a while after a request: on a machine with fewer cores than the engines
+        need, that time is taken from whatever runs next); whether it did within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        used = self.cpu_s()
+        while time.monotonic() < deadline:
+            time.sleep(window_s)  # the measured window
+            now = self.cpu_s()
+            if now - used < max_busy * window_s:
+                return True
+            used = now
+        return False
+
     def log_tail(self, nbytes: int = 6000) -> str:
         try:
             return self.log_path.read_bytes()[-nbytes:].decode("utf-8", "replace")
