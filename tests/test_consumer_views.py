@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import stat
@@ -294,12 +295,26 @@ def test_a_tampered_dedicated_segment_is_refused_and_costs_no_lease(daemon, how,
 
 
 def _shm_file(nbytes: int, mode: int = 0o600) -> str:
+    """A named /dev/shm file, as a dedicated segment is."""
     name = testing.unique_prefix() + "-viewtest"
     fd = os.open(os.path.join(arena.SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
     os.fchmod(fd, mode)
     os.ftruncate(fd, nbytes)
     os.close(fd)
     return name
+
+
+def _sealed_segment(nbytes: int, mode: int = 0o600) -> int:
+    """An fd of a segment as a daemon makes one: a memfd of ``nbytes``, its size sealed."""
+    fd = os.memfd_create("viewtest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.fchmod(fd, mode)
+    os.ftruncate(fd, nbytes)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def _reopen(fd: int, flags: int = os.O_RDONLY) -> int:
+    return os.open(f"/proc/self/fd/{fd}", flags)
 
 
 def _is_closed(fd: int, target: str) -> bool:
@@ -310,12 +325,18 @@ def _is_closed(fd: int, target: str) -> bool:
 
 
 @pytest.mark.parametrize("case", ["other-uid", "group-readable", "too-small", "not-a-regular-file",
-                                  "read-only-fd-mapped-writable"])
-def test_attach_fd_refuses_a_file_a_daemon_would_not_hand_out_and_closes_the_fd(case):
-    name = _shm_file(1 << 16, 0o640 if case == "group-readable" else 0o600)
-    path = os.path.join(arena.SHM_DIR, name)
+                                  "read-only-fd-mapped-writable", "unsealed"])
+def test_attach_fd_refuses_a_file_a_daemon_would_not_hand_out_and_closes_the_fd(case, tmp_path):
+    name = testing.unique_prefix() + "-viewtest"
+    segment = _sealed_segment(1 << 16, 0o640 if case == "group-readable" else 0o600)
+    unsealed = tmp_path / "unsealed"
+    unsealed.write_bytes(bytes(1 << 16))
+    unsealed.chmod(0o600)
     try:
-        fd = os.open(os.devnull if case == "not-a-regular-file" else path, os.O_RDONLY)
+        if case == "not-a-regular-file":
+            fd = os.open(os.devnull, os.O_RDONLY)
+        else:
+            fd = os.open(unsealed, os.O_RDONLY) if case == "unsealed" else _reopen(segment)
         target = os.readlink(f"/proc/self/fd/{fd}")
         owner = os.geteuid() + 1 if case == "other-uid" else os.geteuid()
         writable = case == "read-only-fd-mapped-writable"
@@ -325,29 +346,27 @@ def test_attach_fd_refuses_a_file_a_daemon_would_not_hand_out_and_closes_the_fd(
         assert _is_closed(fd, target)
         assert arena.mappings_of(name) == []
     finally:
-        os.unlink(path)
+        os.close(segment)
 
 
 def test_attach_fd_shares_one_mapping_per_segment_and_mode():
-    name = _shm_file(1 << 16)
-    path = os.path.join(arena.SHM_DIR, name)
+    name = testing.unique_prefix() + "-viewtest"
+    segment = _sealed_segment(1 << 16)
+    other = _sealed_segment(1 << 16)  # another segment under the same name is not the mapped one
     try:
-        first = arena.attach_fd(os.open(path, os.O_RDONLY), name, 1 << 16, False, os.geteuid())
-        fd = os.open(path, os.O_RDONLY)
+        first = arena.attach_fd(_reopen(segment), name, 1 << 16, False, os.geteuid())
+        fd = _reopen(segment)
         target = os.readlink(f"/proc/self/fd/{fd}")
         assert arena.attach_fd(fd, name, 1 << 16, False, os.geteuid()) is first
         assert _is_closed(fd, target)  # the existing mapping is shared, the new fd closed
-        os.unlink(path)  # another file under the same name is not the mapped segment
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, 1 << 16)
-        os.close(fd)
         with pytest.raises(Unavailable):
-            arena.attach_fd(os.open(path, os.O_RDONLY), name, 1 << 16, False, os.geteuid())
+            arena.attach_fd(_reopen(other), name, 1 << 16, False, os.geteuid())
         arena.detach(first)
         arena.detach(first)
         assert first.closed and arena.mappings_of(name) == []
     finally:
-        os.unlink(path)
+        os.close(segment)
+        os.close(other)
 
 
 def test_map_dedicated_checks_name_link_owner_and_mode(tmp_path):

@@ -738,8 +738,8 @@ def test_lease_verify_passes_on_intact_bytes_and_raises_identity_mismatch_on_a_f
         handle = producer.put(arr, digest=True)
         with consumer.acquire(handle) as lease:
             lease.verify()
-            # Corrupt one byte behind everyone's back, straight through the segment file.
-            path = os.path.join("/dev/shm", daemon.segment_names[0])
+            # Corrupt one byte behind everyone's back, straight through the daemon's fd of the arena.
+            path = daemon.tenants[0].segment.open_path
             fd = os.open(path, os.O_RDWR)
             try:
                 pos = handle.shm.offset + 123_457

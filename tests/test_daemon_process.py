@@ -1,5 +1,5 @@
 """The daemon as a real process started by the CLI: signals, crash recovery, restarts, file modes,
-and a /dev/shm too small for the arena (a typed error at start, never a SIGBUS later)."""
+and an arena larger than the memory available (a typed error at start, never an OOM later)."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,7 @@ from shmtransport import objtable
 from shmtransport.client import Consumer, Producer
 from shmtransport.daemon import Daemon
 from shmtransport.errors import PermissionDenied, Reason, ResourceExhausted, Unavailable
-from shmtransport.testing import SHM_DIR, remove_tree, short_tmpdir
+from shmtransport.testing import SHM_DIR, BlockingChild, remove_tree, short_tmpdir
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -51,6 +51,19 @@ def segment_kinds(object_slots: int | None) -> list[str]:
 
 def kinds_of(names: list[str]) -> list[str]:
     return sorted(name.rsplit("-", 1)[1] for name in names)
+
+
+def sealed_segments(pid: int, prefix: str) -> dict[str, str]:
+    """The memfds of ``prefix`` that process ``pid`` holds: name -> a path that opens it."""
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith(f"/memfd:{prefix}-"):
+            found[target.removeprefix("/memfd:").removesuffix(" (deleted)")] = f"/proc/{pid}/fd/{fd}"
+    return found
 
 
 class CliDaemon:
@@ -146,25 +159,30 @@ def call_until_connected(fn, attempts: int = 3):
 @BOTH_PATHS
 def test_sigterm_exits_zero_and_removes_socket_and_segments(start_cli_daemon, object_slots):
     daemon = start_cli_daemon(object_slots=object_slots)
-    live = segments(daemon.prefix)
-    assert kinds_of(live) == segment_kinds(object_slots)
+    assert kinds_of(list(sealed_segments(daemon.proc.pid, daemon.prefix))) == segment_kinds(object_slots)
     assert os.path.exists(daemon.socket_path) and os.path.exists(daemon.socket_path + ".session")
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:  # with a live client, too
         producer.put(np.arange(10))
+        dedicated = producer.put(np.arange(10), dedicated=True)
+        assert segments(daemon.prefix) == [dedicated.shm.name]  # the only kind with a name
         daemon.signal(signal.SIGTERM)
         assert daemon.wait() == 0, daemon.log()
     assert not os.path.exists(daemon.socket_path)
     assert not os.path.exists(daemon.socket_path + ".session")
-    assert [name for name in live if os.path.exists(os.path.join(SHM_DIR, name))] == []
+    assert segments(daemon.prefix) == []
 
 
 def test_socket_and_segment_files_are_owner_only(start_cli_daemon):
     daemon = start_cli_daemon()
-    live = segments(daemon.prefix)
-    assert kinds_of(live) == segment_kinds(None)
-    for path in (daemon.socket_path, daemon.socket_path + ".session", *(os.path.join(SHM_DIR, n) for n in live)):
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-        assert mode == 0o600, f"{path}: {oct(mode)}"
+    sealed = sealed_segments(daemon.proc.pid, daemon.prefix)
+    assert kinds_of(list(sealed)) == segment_kinds(None)
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        dedicated = producer.put(np.arange(10), dedicated=True)
+        for path in (daemon.socket_path, daemon.socket_path + ".session", *sealed.values(),
+                     os.path.join(SHM_DIR, dedicated.shm.name)):
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            assert mode == 0o600, f"{path}: {oct(mode)}"
+        producer.release(dedicated, wait=True)
 
 
 def test_in_process_daemon_files_are_owner_only_whatever_the_umask(make_daemon):
@@ -174,33 +192,79 @@ def test_in_process_daemon_files_are_owner_only_whatever_the_umask(make_daemon):
     finally:
         os.umask(old)
     assert kinds_of(daemon.segment_names) == segment_kinds(None)
-    shm_paths = [os.path.join(SHM_DIR, name) for name in daemon.segment_names]
-    for path in (daemon.socket_path, daemon.socket_path + ".session", *shm_paths):
+    segment_paths = [daemon.tenants[0].segment.open_path]
+    segment_paths += [daemon.tenants[0].objects.segment.open_path] if daemon.tenants[0].objects else []
+    for path in (daemon.socket_path, daemon.socket_path + ".session", *segment_paths):
         mode = stat.S_IMODE(os.stat(path).st_mode)
         assert mode == 0o600, f"{path}: {oct(mode)}"
 
 
 # -- crash and restart ---------------------------------------------------------------------------
 @BOTH_PATHS
-def test_restart_after_sigkill_sweeps_the_dead_instances_segments(start_cli_daemon, object_slots):
+def test_restart_after_sigkill_sweeps_what_the_dead_instance_left_by_name(start_cli_daemon, object_slots):
+    """The arena and table go with the daemon's process (and its clients' mappings); only its
+    dedicated segments have names, and the next daemon sweeps those."""
     first = start_cli_daemon(object_slots=object_slots)
-    dead = segments(first.prefix)
-    assert kinds_of(dead) == segment_kinds(object_slots)
-    first.kill()  # SIGKILL: no chance to clean up
+    with Producer(first.socket_path, timeout_s=TIMEOUT_S) as producer:
+        producer.put(np.arange(10), dedicated=True)
+        dead = segments(first.prefix)
+        assert len(dead) == 1 and "-obj" in dead[0]
+        first.kill()  # SIGKILL: no chance to clean up
     assert segments(first.prefix) == dead
     second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", object_slots=object_slots)
-    live = segments(second.prefix)
-    assert not set(dead) & set(live) and kinds_of(live) == kinds_of(dead)
-    assert f"swept {len(dead)} leftover segment" in second.log()
+    assert segments(second.prefix) == []
+    assert kinds_of(list(sealed_segments(second.proc.pid, second.prefix))) == segment_kinds(object_slots)
+    assert "swept 1 leftover segment" in second.log()
+
+
+def _hold_handed_segments(conn, socket_path: str) -> None:
+    """Keep, flock and map every segment fd a producer's handshake passes, past the daemon's death."""
+    import fcntl
+    import mmap
+
+    from shmtransport import arena
+
+    kept, attach = [], arena.attach_fd
+
+    def keeping(fd, name, *args, **kwargs):
+        kept.append(os.dup(fd))
+        return attach(fd, name, *args, **kwargs)
+
+    arena.attach_fd = keeping
+    Producer(socket_path, timeout_s=TIMEOUT_S)  # left open: its session dies with the daemon
+    maps = []
+    for fd in kept:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        maps.append(mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ))
+    conn.send(len(kept))
+    conn.recv()
+    conn.send(sum(m[0] for m in maps) >= 0)  # still mapped and readable after the daemon died
+    conn.recv()
+
+
+def test_a_client_holding_a_dead_daemons_segments_leaves_nothing_by_name_and_blocks_no_restart(start_cli_daemon):
+    first = start_cli_daemon()
+    with BlockingChild(_hold_handed_segments, first.socket_path) as child:
+        assert child.recv(timeout_s=60) == len(segment_kinds(None))
+        first.kill()
+        assert segments(first.prefix) == []  # nothing of the dead instance has a name to sweep
+        child.send("read")
+        assert child.recv(timeout_s=10) is True
+        second = start_cli_daemon(prefix=first.prefix)
+        with Producer(second.socket_path, timeout_s=TIMEOUT_S) as producer:
+            producer.release(producer.put(np.arange(100)), wait=True)
+        child.send("exit")
+    assert segments(first.prefix) == []
 
 
 @BOTH_PATHS
 def test_startup_sweep_never_touches_a_live_daemons_segments(start_cli_daemon, object_slots):
     first = start_cli_daemon(object_slots=object_slots)
-    first_segments = segments(first.prefix)
-    second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", object_slots=object_slots)  # live first
-    both = segments(first.prefix)
-    assert set(first_segments) <= set(both) and len(both) == 2 * len(first_segments)
+    with Producer(first.socket_path, timeout_s=TIMEOUT_S) as kept:
+        dedicated = kept.put(np.arange(100), dedicated=True)
+        second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", object_slots=object_slots)  # live first
+        assert segments(first.prefix) == [dedicated.shm.name]
+        kept.release(dedicated, wait=True)
     for daemon in (first, second):  # and both serve
         with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
             producer.release(producer.put(np.arange(100)), wait=True)
@@ -273,15 +337,13 @@ def test_first_call_after_a_daemon_restart_reconnects_to_the_new_daemon(start_cl
         assert second.proc.poll() is None
 
 
-# -- /dev/shm too small --------------------------------------------------------------------------
+# -- not enough memory for the arena ----------------------------------------------------------------
 def impossible_arena_nbytes() -> int:
-    """More than /dev/shm can ever hold: above its total size (so the kernel refuses the reservation
-    at once instead of filling /dev/shm first), and above what is free (the brief's free + 1 GiB)."""
-    st = os.statvfs(SHM_DIR)
-    return max(st.f_blocks, st.f_bavail) * st.f_frsize + 1 * GiB
+    """More than this machine's memory: refused before a page is reserved (never an OOM)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + 1 * GiB
 
 
-def test_cli_exits_nonzero_with_shm_size_advice_when_dev_shm_is_too_small(tmpdir_short, new_prefix):
+def test_cli_exits_nonzero_with_memory_advice_when_the_arena_cannot_fit(tmpdir_short, new_prefix):
     prefix = new_prefix()
     socket_path = os.path.join(tmpdir_short, "d.sock")
     result = subprocess.run(
@@ -290,19 +352,19 @@ def test_cli_exits_nonzero_with_shm_size_advice_when_dev_shm_is_too_small(tmpdir
         timeout=START_TIMEOUT_S,
     )
     assert result.returncode != 0
-    assert b"--shm-size" in result.stderr, result.stderr.decode(errors="replace")
+    assert b"memory limit" in result.stderr, result.stderr.decode(errors="replace")
     assert segments(prefix) == []
     assert not os.path.exists(socket_path) and not os.path.exists(socket_path + ".session")
 
 
-def test_daemon_start_raises_shm_too_small_and_leaves_nothing_behind(tmpdir_short, new_prefix):
+def test_daemon_start_raises_shm_too_small_for_more_than_memory_and_leaves_nothing_behind(tmpdir_short, new_prefix):
     prefix = new_prefix()
     socket_path = os.path.join(tmpdir_short, "d.sock")
     daemon = Daemon(socket_path=socket_path, arena_nbytes=impossible_arena_nbytes(), name_prefix=prefix)
     with pytest.raises(ResourceExhausted) as info:
         daemon.start()
     assert info.value.reason is Reason.SHM_TOO_SMALL
-    assert "--shm-size" in info.value.message
+    assert "memory limit" in info.value.message
     daemon.stop()  # idempotent after a failed start
     assert segments(prefix) == []
     assert not os.path.exists(socket_path) and not os.path.exists(socket_path + ".session")

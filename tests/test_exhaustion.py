@@ -1,6 +1,6 @@
-"""Exhaustion: /dev/shm too small, a full arena under concurrent load, per-client quotas, a lowered
-fd limit (client and daemon), 100,000 live leases. Each ends in a typed error or back-pressure,
-recovers when the load drops, and never raises SIGBUS."""
+"""Exhaustion: a full /dev/shm, a memory limit below the arena, a full arena under concurrent load,
+per-client quotas, a lowered fd limit (client and daemon), 100,000 live leases. Each ends in a typed
+error or back-pressure, recovers when the load drops, and never raises SIGBUS."""
 from __future__ import annotations
 
 import os
@@ -46,7 +46,7 @@ def _can_unshare_mount() -> bool:
 CAN_UNSHARE = _can_unshare_mount()
 
 
-# -- /dev/shm smaller than the arena ---------------------------------------------------------------
+# -- /dev/shm smaller than the arena, and a memory limit -------------------------------------------
 def _in_small_shm(script: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     """Run python ``script`` in a private mount namespace whose /dev/shm is an 8 MiB tmpfs."""
     return subprocess.run(
@@ -54,28 +54,14 @@ def _in_small_shm(script: str, timeout_s: float = 60) -> subprocess.CompletedPro
          sys.executable, script], capture_output=True, text=True, timeout=timeout_s, cwd=HERE)
 
 
-@pytest.mark.skipif(not CAN_UNSHARE, reason="needs root and unshare -m to mount a small /dev/shm")
-def test_daemon_asking_for_more_than_a_small_dev_shm_fails_at_start_with_shm_too_small_never_sigbus():
-    tmp = testing.short_tmpdir()
-    try:
-        r = _in_small_shm(
-            "import sys; from shmtransport.cli import main; "
-            f"sys.exit(main(['daemon', '--socket', '{tmp}/d.sock', '--arena-size', '64M', "
-            "'--name-prefix', 'shmtsmall', '--log-level', 'ERROR']))")
-        assert r.returncode == 2, (r.returncode, r.stderr[-2000:])  # the CLI's typed-start-error exit code
-        assert "cannot reserve" in r.stderr and "--shm-size=" in r.stderr, r.stderr[-2000:]
-    finally:
-        testing.remove_tree(tmp)
-
-
 SMALL_SHM_FULL_SCRIPT = r"""
 import os, numpy as np
 from shmtransport import testing
 from shmtransport.client import Consumer, Producer
 from shmtransport.errors import ResourceExhausted, Reason
-# the arena takes 4 MiB of the 8 MiB tmpfs, reserved at start
-d = testing.start_daemon(arena_nbytes=4 << 20)
-# someone else fills the rest of /dev/shm to the last page
+# the arena is the daemon's memory, not /dev/shm's: 64 MiB in an 8 MiB /dev/shm
+d = testing.start_daemon(arena_nbytes=64 << 20, shm_reserve_nbytes=1 << 20)
+# someone else fills /dev/shm to the last page
 with open('/dev/shm/filler', 'wb') as f:
     try:
         while True:
@@ -83,37 +69,90 @@ with open('/dev/shm/filler', 'wb') as f:
     except OSError:
         pass
 free = os.statvfs('/dev/shm').f_bavail
-# the arena's pages were reserved: writing all of it cannot SIGBUS
 with Producer(d.socket_path, timeout_s=10) as p, Consumer(d.socket_path, timeout_s=10) as c:
-    data = np.random.default_rng(1).integers(0, 256, (4 << 20) - 4096, dtype=np.uint8)
+    data = np.random.default_rng(1).integers(0, 256, 48 << 20, dtype=np.uint8)
     h = p.put(data, digest=True)
     lease = c.acquire(h); lease.verify(); assert np.array_equal(lease.array, data)
     c.release([lease], wait=True)
     p.release(h, wait=True)
-# a second daemon cannot reserve its arena in the full /dev/shm: typed, at start
-try:
-    testing.start_daemon(arena_nbytes=1 << 20)
-    print('SECOND-DAEMON-STARTED')
-except ResourceExhausted as exc:
-    assert exc.reason is Reason.SHM_TOO_SMALL, exc
-    print('SECOND-DAEMON-REFUSED')
+    # what does live in /dev/shm, a dedicated segment, gets a typed refusal
+    try:
+        p.put(np.ones(1 << 20, np.uint8), dedicated=True)
+        print('DEDICATED-PLACED')
+    except ResourceExhausted as exc:
+        assert exc.reason is Reason.SHM_TOO_SMALL, exc
+        print('DEDICATED-REFUSED')
+# a second daemon starts too
+testing.stop_daemon(testing.start_daemon(arena_nbytes=16 << 20))
 testing.stop_daemon(d)
 print('OK free_blocks', free)
 """
 
 
 @pytest.mark.skipif(not CAN_UNSHARE, reason="needs root and unshare -m to mount a small /dev/shm")
-def test_dev_shm_filled_by_someone_else_after_start_cannot_sigbus_the_reserved_arena_and_new_daemons_get_typed_errors():
+def test_a_full_small_dev_shm_leaves_the_arena_whole_and_refuses_dedicated_segments_typed_never_sigbus():
     r = _in_small_shm(SMALL_SHM_FULL_SCRIPT)
     assert r.returncode != -signal.SIGBUS, "SIGBUS"
     assert r.returncode == 0, (r.returncode, r.stdout[-1000:], r.stderr[-3000:])
-    assert "SECOND-DAEMON-REFUSED" in r.stdout and "OK free_blocks 0" in r.stdout, r.stdout
+    assert "DEDICATED-REFUSED" in r.stdout and "OK free_blocks 0" in r.stdout, r.stdout
 
 
-def test_an_arena_larger_than_dev_shm_itself_is_refused_at_start_with_shm_too_small(make_daemon):
-    st = os.statvfs("/dev/shm")
+MEMORY_LIMITED_SCRIPT = r"""
+from shmtransport import testing
+from shmtransport.errors import ResourceExhausted, Reason
+try:
+    testing.start_daemon(arena_nbytes=512 << 20)
+    print('LARGE-STARTED')
+except ResourceExhausted as exc:
+    assert exc.reason is Reason.SHM_TOO_SMALL and 'memory limit' in exc.message, exc
+    print('LARGE-REFUSED')
+testing.stop_daemon(testing.start_daemon(arena_nbytes=32 << 20))
+print('SMALL-STARTED')
+"""
+
+
+def _memory_cgroup(limit_nbytes: int) -> str | None:
+    """A fresh memory cgroup (v1 or v2) limited to ``limit_nbytes``; None where none can be made."""
+    for root, limit_file in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")):
+        if not os.path.exists(os.path.join(root, limit_file if root.endswith("memory") else "cgroup.controllers")):
+            continue
+        path = os.path.join(root, f"shmt-test-{os.getpid()}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(path, limit_file), "w") as f:
+                f.write(str(limit_nbytes))
+            return path
+        except OSError:
+            os.rmdir(path)
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a memory cgroup")
+def test_an_arena_above_the_memory_cgroups_headroom_is_refused_at_start_never_oom():
+    cgroup = _memory_cgroup(256 * MiB)
+    if cgroup is None:
+        pytest.skip("no writable memory cgroup here")
+
+    def enter() -> None:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    try:
+        r = subprocess.run([sys.executable, "-c", MEMORY_LIMITED_SCRIPT], capture_output=True, text=True,
+                           timeout=60, cwd=HERE, preexec_fn=enter)
+    finally:
+        os.rmdir(cgroup)
+    assert r.returncode == 0, (r.returncode, r.stdout[-1000:], r.stderr[-3000:])
+    assert "LARGE-REFUSED" in r.stdout and "SMALL-STARTED" in r.stdout, r.stdout
+
+
+def test_an_arena_larger_than_the_machines_memory_is_refused_at_start_with_shm_too_small(make_daemon):
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     with pytest.raises(ResourceExhausted) as info:
-        make_daemon(arena_nbytes=st.f_blocks * st.f_frsize + 64 * MiB)  # tmpfs refuses it before touching a page
+        make_daemon(arena_nbytes=physical + 64 * MiB)  # refused before a page is reserved
     assert info.value.reason is Reason.SHM_TOO_SMALL
 
 

@@ -42,7 +42,7 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another uid")
 
 
-def _as_nobody(socket_path: str, segment_name: str) -> dict:
+def _as_nobody(socket_path: str, segment_path: str) -> dict:
     """In a spawned child: drop to uid/gid 65534 (no supplementary groups), then try everything."""
     import socket as socketlib  # imported before dropping privileges: the interpreter's files may be 0700
 
@@ -60,7 +60,7 @@ def _as_nobody(socket_path: str, segment_name: str) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported, the parent fails on it
             out[name] = f"UNTYPED {type(exc).__name__}: {exc}"
     try:
-        fd = os.open(f"/dev/shm/{segment_name}", os.O_RDONLY)
+        fd = os.open(segment_path, os.O_RDONLY)
         os.close(fd)
         out["segment"] = "OPENED"
     except PermissionError:
@@ -87,7 +87,7 @@ def _as_nobody(socket_path: str, segment_name: str) -> dict:
 
 @needs_root
 def test_another_uid_cannot_reach_the_0600_sockets_and_gets_a_typed_unavailable(daemon):
-    out = run_in_child(_as_nobody, daemon.socket_path, daemon.segment_names[0], timeout_s=60)
+    out = run_in_child(_as_nobody, daemon.socket_path, daemon.tenants[0].segment.open_path, timeout_s=60)
     assert out["uid"] == NOBODY
     assert out["consumer"] == out["producer"] == "Unavailable/daemon_unavailable", out
     assert out["session_socket"] == "PermissionError", out
@@ -107,7 +107,7 @@ def _open_up(daemon) -> None:
 @needs_root
 def test_another_uid_that_reaches_the_handshake_is_refused_by_the_so_peercred_allowlist(daemon):
     _open_up(daemon)
-    out = run_in_child(_as_nobody, daemon.socket_path, daemon.segment_names[0], timeout_s=60)
+    out = run_in_child(_as_nobody, daemon.socket_path, daemon.tenants[0].segment.open_path, timeout_s=60)
     assert out["consumer"] == out["producer"] == "PermissionDenied/permission_denied", out
     assert out["grpc"] == "PERMISSION_DENIED", out  # no session token, no service
     assert out["segment"] == "EACCES", out  # and the arena file is not readable anyway
@@ -123,15 +123,17 @@ def test_a_socket_group_daemon_lets_the_group_reach_the_handshake_but_the_uid_al
         assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
     os.chmod(os.path.dirname(daemon.socket_path), 0o755)
     # the child keeps gid 65534 (nogroup) as its primary group: it passes the file check
-    out = run_in_child(_as_nobody, daemon.socket_path, daemon.segment_names[0], timeout_s=60)
+    out = run_in_child(_as_nobody, daemon.socket_path, daemon.tenants[0].segment.open_path, timeout_s=60)
     assert out["session_socket"] == "CONNECTED", out
     assert out["consumer"] == "PermissionDenied/permission_denied", out
     assert daemon.stat().sessions_total == 0
 
 
 def test_segment_files_and_sockets_are_0600_and_owned_by_the_daemon_user(daemon):
-    for name in daemon.segment_names:
-        st = os.stat(f"/dev/shm/{name}")
+    paths = [tenant.segment.open_path for tenant in daemon.tenants]
+    paths += [tenant.objects.segment.open_path for tenant in daemon.tenants if tenant.objects is not None]
+    for path in paths:  # sealed memfds, reached through the daemon's fds
+        st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
         assert st.st_uid == os.getuid()
     for path in (daemon.socket_path, daemon.socket_path + ".session"):

@@ -4,6 +4,7 @@ requests, waiting calls, and a Loan whose caller gives up. Each test fails on a 
 defence it names (see docs/security.md)."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -111,10 +112,10 @@ def _fake_daemon_same_uid(path: str, hello: pb.SessionHello, fd: int, ready: thr
         listener.close()
 
 
-@pytest.mark.parametrize("case", ["path_in_name", "world_readable_file", "symlinked_name"])
+@pytest.mark.parametrize("case", ["path_in_name", "world_readable_file", "symlinked_name", "unsealed_file"])
 def test_a_client_checks_the_arena_it_is_handed_before_mapping_it(tmp_path, case):
-    """A daemon (even of the right uid) cannot make a client map a path, a world-readable file, or
-    anything but a plain 0600 regular file of its own."""
+    """A daemon (even of the right uid) cannot make a client map a path, a world-readable file, a
+    file whose size any holder of an fd could change, or anything but a sealed 0600 file of its own."""
     path = str(tmp_path / "d.sock")
     grpc_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     grpc_socket.bind(path)  # the gRPC socket: a real socket
@@ -130,8 +131,10 @@ def test_a_client_checks_the_arena_it_is_handed_before_mapping_it(tmp_path, case
     thread.start()
     try:
         ready.wait(TIMEOUT_S)
-        with pytest.raises((HandleError, PermissionDenied)):
+        with pytest.raises((HandleError, PermissionDenied)) as info:
             Producer(path, timeout_s=3)
+        if case == "unsealed_file":
+            assert "not sealed against resizing" in info.value.message
     finally:
         thread.join(TIMEOUT_S)
         os.close(fd)
@@ -139,6 +142,76 @@ def test_a_client_checks_the_arena_it_is_handed_before_mapping_it(tmp_path, case
         for peer in served:
             peer.close()
     assert target.read_bytes() == b"\0" * 4096
+
+
+# -- the segments a client is handed ---------------------------------------------------------------
+def _keep_handed_fds() -> list[tuple[str, int]]:
+    """From now on, keep a duplicate of every segment fd this process's handshakes receive
+    (a client maps and closes them; an attacker keeps them): a list of (name, fd) it fills."""
+    from shmtransport import arena
+
+    kept: list[tuple[str, int]] = []
+    attach = arena.attach_fd
+
+    def keeping(fd: int, name: str, *args, **kwargs):
+        kept.append((name, os.dup(fd)))
+        return attach(fd, name, *args, **kwargs)
+
+    arena.attach_fd = keeping
+    return kept
+
+
+def _resize_handed_segments(conn, socket_path: str) -> None:
+    """As uid 65534, a producer and a read-only consumer of their own tenant: truncate, grow,
+    fallocate and reopen for writing every segment fd the handshakes passed."""
+    _become_nobody()
+    kept = _keep_handed_fds()
+    out = {}
+    with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0), \
+            Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0):
+        for i, (name, fd) in enumerate(kept):
+            size = os.fstat(fd).st_size
+            attacks = {
+                "truncate": (os.ftruncate, fd, 0),
+                "shrink": (os.ftruncate, fd, size - 4096),
+                "grow": (os.ftruncate, fd, size * 2),
+                "fallocate": (os.posix_fallocate, fd, size, 1 << 30),
+                "reopen": (os.open, f"/proc/self/fd/{fd}", os.O_RDWR),
+            }
+            for what, (call, *args) in attacks.items():
+                key = f"{i}:{name.rsplit('-', 1)[1]}:{what}"
+                try:
+                    call(*args)
+                    out[key] = "DONE"
+                except OSError as exc:
+                    out[key] = "refused"
+                    assert exc.errno in (errno.EPERM, errno.EINVAL, errno.EBADF, errno.EACCES), exc
+            out[f"{i}:size"] = os.fstat(fd).st_size == size
+    conn.send(out)
+    conn.recv()
+
+
+@needs_root
+def test_no_fd_a_client_is_handed_can_resize_the_segments_the_daemon_and_others_map(make_daemon):
+    """A truncated table would SIGBUS the daemon's janitor (every tenant down); a grown one takes
+    memory nobody accounted; a truncated arena SIGBUSes honest consumers."""
+    daemon = make_daemon(allowed_uids=(0, NOBODY), arena_nbytes=4 * MiB, handoff_window_ms=100)
+    _open_to_nobody(daemon)
+    with BlockingChild(_resize_handed_segments, daemon.socket_path) as child:
+        out = child.recv(timeout_s=60)
+        child.send("exit")
+    kinds = {key.split(":")[1] for key in out if key.count(":") == 2}
+    assert kinds == ({"arena", "objects"} if objtable.available() else {"arena"}), out
+    assert set(out.values()) == {"refused", True}, out
+    # The daemon reclaims the attacker's sessions from its table, and serves everyone on.
+    wait_until(lambda: not (s := daemon.stat(daemon.tenants[1])).clients and s.live_objects == 0, timeout_s=10,
+               what="the attacker's tenant reclaimed")
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
+            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
+        handle = producer.put(np.arange(1000), digest=True)
+        with consumer.acquire(handle) as lease:
+            lease.verify()
+        producer.release(handle, wait=True)
 
 
 # -- tenants ------------------------------------------------------------------------------------------
@@ -149,7 +222,7 @@ def _open_to_nobody(daemon) -> None:
 
 def _tenant_nobody(conn, socket_path: str, foreign: bytes, root_segments: list[str]) -> None:
     """As uid 65534, an allowed tenant: works with its own arena, cannot touch the root tenant's
-    (``foreign``: a handle of it; ``root_segments``: its arena and object table)."""
+    (``foreign``: a handle of it; ``root_segments``: paths of its arena and object table)."""
     _become_nobody()
     out = {}
     with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as producer, \
@@ -176,12 +249,12 @@ def _tenant_nobody(conn, socket_path: str, foreign: bytes, root_segments: list[s
             except ShmTransportError as exc:
                 out[what] = _error(exc)
         out["foreign_segment_files"] = {}
-        for name in root_segments:
+        for path in root_segments:
             try:
-                os.close(os.open(f"/dev/shm/{name}", os.O_RDONLY))
-                out["foreign_segment_files"][name] = "OPENED"
+                os.close(os.open(path, os.O_RDONLY))
+                out["foreign_segment_files"][path] = "OPENED"
             except PermissionError:
-                out["foreign_segment_files"][name] = "EACCES"
+                out["foreign_segment_files"][path] = "EACCES"
         producer.release(mine, wait=True)
         # A fresh loan of the whole arena: only this tenant's own bytes could ever be in it.
         loan = producer.loan(producer_arena_nbytes(producer))
@@ -207,7 +280,8 @@ def test_a_second_uid_is_its_own_tenant_and_cannot_read_acquire_or_see_the_other
         producer.release(scratch, wait=True)  # freed bytes of root's tenant, not scrubbed
         # Under the C backend the secret lives in root's object table: a segment of its own, like the arena.
         assert bool(secret.shm.slot) == objtable.available()
-        root_segments = [name for name in daemon.segment_names if "-t0-" in name]
+        root = daemon.tenants[0]  # sealed memfds: reachable only through the daemon's fds
+        root_segments = [root.segment.open_path] + ([root.objects.segment.open_path] if root.objects else [])
         with BlockingChild(_tenant_nobody, daemon.socket_path, secret.to_bytes(), root_segments) as child:
             out = child.recv()
             child.send("exit")

@@ -24,8 +24,9 @@ Checked after every iteration and at the end:
   bug 1 of docs/reliability.md, fixed; each one is a failure);
 - no worker dies on its own and none raises anything but a ``ShmTransportError``;
 - the daemon settles to 0 live objects and 0 live leases (dead sessions are reclaimed, objects a
-  killed producer handed off are reclaimed when the short hand-off window passes), and /dev/shm
-  holds nothing of the prefix but the live daemon's arena and object table;
+  killed producer handed off are reclaimed when the short hand-off window passes), /dev/shm
+  holds nothing of the prefix (the arena and object table are memfds: no killed instance leaves
+  them behind), and the live daemon holds exactly one arena and one object table;
 - at the end: the last daemon instance's VmRSS and fd count are back to its baseline (with a small
   slack), and after a clean stop no /dev/shm entry of the prefix remains.
 
@@ -347,6 +348,19 @@ class DaemonProcess:
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
 
+    def sealed_segment_kinds(self) -> list[str]:
+        """The kinds (arena, objects) of the memfds this daemon process holds (a mapping keeps an fd
+        of its own, so a kind may be held twice)."""
+        kinds = set()
+        for fd in os.listdir(f"/proc/{self.pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{self.pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue
+            if target.startswith(f"/memfd:{self.prefix}-"):
+                kinds.add(target.removesuffix(" (deleted)").rsplit("-", 1)[-1])
+        return sorted(kinds)
+
 
 def shm_segments(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix + "-"))
@@ -598,10 +612,11 @@ class Chaos:
         if state != (0, 0):
             self._fail(f"daemon did not settle to 0 objects / 0 leases within {SETTLE_S} s: {state}")
         segs = shm_segments(self.prefix)
-        kinds = sorted(name.rsplit("-", 1)[-1] for name in segs)
-        if len({name.split("-")[1] for name in segs}) != 1 or kinds not in (["arena"], ["arena", "objects"]):
-            self._fail(f"/dev/shm holds {segs} for prefix {self.prefix} "
-                       "(expected only the live daemon's arena and object table)")
+        if segs:
+            self._fail(f"/dev/shm holds {segs} for prefix {self.prefix} (expected nothing: arenas are memfds)")
+        kinds = self.daemon.sealed_segment_kinds()
+        if kinds not in (["arena"], ["arena", "objects"]):
+            self._fail(f"the live daemon holds the memfds {kinds} (expected its arena and object table)")
         # resource baseline of this daemon instance, taken once it is warm
         if self.instance_iterations == 5 and self.baseline is None:
             self.baseline = {"fds": self.daemon.fds(), "rss_kib": self.daemon.rss_kib(), "pid": self.daemon.pid}

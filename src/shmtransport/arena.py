@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -59,6 +60,21 @@ def _check_segment_fd(
     if nbytes <= 0 or st.st_size < nbytes:
         raise HandleError(f"segment {name!r} holds {st.st_size} bytes, expected {nbytes}", Reason.OUT_OF_BOUNDS)
     return st
+
+
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def _check_size_sealed(fd: int, name: str) -> None:
+    """The arena and table are memfds the daemon sealed: a segment whose size anyone holding an
+    fd could change would let them truncate it under this process (SIGBUS on the next access)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a file that supports seals at all
+    if seals & _SIZE_SEALS != _SIZE_SEALS:
+        raise PermissionDenied(f"segment {name!r} is not sealed against resizing: anyone holding an fd of it "
+                               "could truncate it under this process")
 
 
 class _SharedMap(mmap.mmap):
@@ -152,6 +168,7 @@ def attach_fd(fd: int, name: str, nbytes: int, writable: bool, owner_uid: int) -
     try:
         validate_segment_name(name)
         st = _check_segment_fd(fd, name, nbytes, frozenset((owner_uid,)), 0o077)
+        _check_size_sealed(fd, name)
         with _lock:
             _close_unused()
             mapping = _mappings.get((name, writable))

@@ -28,7 +28,7 @@ class Reason(str, enum.Enum):
     ARENA_FULL = "arena_full"
     TABLE_FULL = "table_full"  # no free slots in the tenant's object table: loan through the daemon
     QUOTA_EXCEEDED = "quota_exceeded"
-    SHM_TOO_SMALL = "shm_too_small"  # /dev/shm cannot back the requested arena
+    SHM_TOO_SMALL = "shm_too_small"  # not enough memory for the arena, or /dev/shm for a dedicated segment
     FD_LIMIT = "fd_limit"  # the process is out of file descriptors
     PERMISSION_DENIED = "permission_denied"
     UNKNOWN_SESSION = "unknown_session"  # no live session for the call's token: the client reconnects

@@ -6,7 +6,7 @@ import logging
 import os
 
 from ..wire import default_socket_path
-from .segments import shm_free_nbytes, shm_size_advice
+from .segments import memory_advice, memory_available_nbytes
 
 _log = logging.getLogger("shmtransport.daemon")
 
@@ -16,16 +16,17 @@ MAX_DEFAULT_ARENA = 8 << 30
 
 
 def default_arena_nbytes() -> int:
-    """Half of what /dev/shm has free, at most 8 GiB, whole pages; warns when that is small."""
-    free = shm_free_nbytes()
+    """Half of the memory available to the daemon (the arena is its own memory, not /dev/shm's),
+    at most 8 GiB, whole pages; warns when that is small."""
+    free = memory_available_nbytes()
     nbytes = min(free // 2, MAX_DEFAULT_ARENA) // PAGE * PAGE
     if nbytes < MIN_RECOMMENDED_ARENA:
         _log.warning(
-            "/dev/shm has only %d MiB free, so the arena gets %d MiB; for a %d MiB arena: %s",
+            "only %d MiB of memory is available, so the arena gets %d MiB; for a %d MiB arena: %s",
             free >> 20,
             nbytes >> 20,
             MIN_RECOMMENDED_ARENA >> 20,
-            shm_size_advice(2 * MIN_RECOMMENDED_ARENA),
+            memory_advice(MIN_RECOMMENDED_ARENA),
         )
     return max(nbytes, PAGE)
 

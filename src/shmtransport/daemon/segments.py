@@ -1,9 +1,16 @@
 """Creating, reserving, sweeping and unlinking the daemon's shared-memory segments.
 
-Only the daemon creates and unlinks (``docs/design.md``, lifetime rule 1). Segment names are
-built by ``shm_names``. The daemon holds an exclusive ``flock`` on each of its segment
-files for its whole life, so a later daemon can tell a dead instance's leftovers (lock free) from a
-live one's (lock held) without guessing from ages or PIDs.
+Only the daemon creates and unlinks (``docs/design.md``, lifetime rule 1). Two kinds:
+
+- **Sealed** (each tenant's arena and object table): an anonymous memfd whose size is sealed, so
+  no fd a client is handed can truncate or grow what the daemon and the other clients map (a
+  truncation would SIGBUS them; growth would take memory nobody accounted). It has no name in
+  /dev/shm, so nothing of it outlives the daemon and its clients' mappings. Its pages are the
+  daemon's memory (its cgroup's), checked against what is available before they are reserved.
+- **Named** (dedicated segments, opened by name by stock readers): files in /dev/shm built by
+  ``shm_names``. The daemon holds an exclusive ``flock`` on each for its whole life, so a later
+  daemon can tell a dead instance's leftovers (lock free) from a live one's (lock held) without
+  guessing from ages or PIDs.
 """
 from __future__ import annotations
 
@@ -22,9 +29,71 @@ from ..shm_names import SHM_DIR
 _log = logging.getLogger("shmtransport.daemon")
 
 
+# Sealed segments can neither shrink nor grow, and their seals cannot change. Writes stay allowed:
+# the arena is written by producers, the table by every session.
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# What a sealed segment leaves of the memory available to the daemon, for the daemon and the node.
+MEMORY_HEADROOM_NBYTES = 64 << 20
+_CGROUP_ROOTS = {"v1": "/sys/fs/cgroup/memory", "v2": "/sys/fs/cgroup"}
+_UNLIMITED = 1 << 62
+
+
 def shm_free_nbytes() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
+
+
+def memory_available_nbytes() -> int:
+    """What this process may still allocate: the node's MemAvailable, or less where a memory
+    cgroup (v1 or v2, this process's or an ancestor's) has a limit closer to its usage."""
+    available = _UNLIMITED
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return min(available, _cgroup_headroom_nbytes())
+
+
+def _cgroup_headroom_nbytes() -> int:
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return _UNLIMITED
+    headroom = _UNLIMITED
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            version, limit_file, usage_file = "v2", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            version, limit_file, usage_file = "v1", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # a limit anywhere above this cgroup applies too
+            directory = os.path.join(_CGROUP_ROOTS[version], *parts[:depth])
+            try:
+                with open(os.path.join(directory, limit_file)) as f:
+                    limit = f.read().strip()
+                with open(os.path.join(directory, usage_file)) as f:
+                    usage = int(f.read())
+            except (OSError, ValueError):
+                continue  # not mounted here, or not visible from this namespace
+            if limit.isdigit() and int(limit) < _UNLIMITED:
+                headroom = min(headroom, max(0, int(limit) - usage))
+    return headroom
+
+
+def memory_advice(nbytes: int) -> str:
+    mib = -(-(nbytes + MEMORY_HEADROOM_NBYTES) // (1 << 20))
+    return (
+        f"the arena and object table are the daemon's own memory: give it at least {mib} MiB "
+        "(a container's memory limit, a systemd MemoryMax=), or ask for a smaller --arena-size"
+    )
 
 
 def shm_size_advice(nbytes: int) -> str:
@@ -37,20 +106,47 @@ def shm_size_advice(nbytes: int) -> str:
 
 
 class Segment:
-    """One daemon-owned segment: created exclusively, reserved up front, locked, later unlinked."""
+    """One daemon-owned segment, its pages reserved up front: named (created exclusively in
+    /dev/shm, locked, later unlinked) or sealed (an anonymous memfd of a fixed size)."""
 
-    def __init__(self, name: str, nbytes: int):
+    def __init__(self, name: str, nbytes: int, path: str | None):
         self.name = name
         self.nbytes = nbytes
-        self.path = os.path.join(SHM_DIR, name)
+        self.path = path  # None: sealed, no name in /dev/shm
         self._fd = -1
+
+    @classmethod
+    def create_sealed(cls, name: str, nbytes: int) -> "Segment":
+        """A memfd of ``nbytes`` (``name`` shows only in /proc/*/fd), mode 0600, every page
+        reserved, its size sealed before any fd of it leaves the daemon."""
+        available = memory_available_nbytes()
+        if nbytes + MEMORY_HEADROOM_NBYTES > available:
+            raise ResourceExhausted(
+                f"cannot reserve {nbytes} bytes of memory ({available} available): " + memory_advice(nbytes),
+                Reason.SHM_TOO_SMALL,
+            )
+        seg = cls(name, nbytes, None)
+        seg._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.fchmod(seg._fd, 0o600)  # a memfd starts as 0777: reopening it through /proc must stay ours
+            os.ftruncate(seg._fd, nbytes)
+            os.posix_fallocate(seg._fd, 0, nbytes)
+            fcntl.fcntl(seg._fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+        except OSError as exc:
+            seg.unlink()
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                raise ResourceExhausted(f"cannot reserve {nbytes} bytes of memory: {exc}; " + memory_advice(nbytes),
+                                        Reason.SHM_TOO_SMALL) from exc
+            raise ShmTransportError(f"cannot create segment {name}: {exc}") from exc
+        return seg
 
     @classmethod
     def create(cls, name: str, nbytes: int, owner_uid: int = -1, owner_gid: int = -1) -> "Segment":
         """``owner_uid``/``owner_gid``: hand the file to a tenant (-1: keep the daemon's); a group
         owner gets 0660 so its members can map it, everything else stays 0600."""
-        seg = cls(name, nbytes)
-        fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        path = os.path.join(SHM_DIR, name)
+        seg = cls(name, nbytes, path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         seg._fd = fd
         try:
             if owner_uid != -1 or owner_gid != -1:
@@ -76,23 +172,31 @@ class Segment:
     def closed(self) -> bool:
         return self._fd < 0
 
-    def map(self) -> mmap.mmap:
-        """A shared read-write mapping of the whole segment in this process."""
-        return mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    @property
+    def open_path(self) -> str:
+        """Where this process opens the segment: its /dev/shm path, or (sealed) its fd in /proc,
+        which other processes may open only with the daemon's uid and ptrace rights over it."""
+        return self.path if self.path is not None else f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def map(self, writable: bool = True) -> mmap.mmap:
+        """A shared mapping of the whole segment in this process."""
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, prot)
 
     def open_fd(self, writable: bool) -> int:
         """A new fd of this segment (for passing to a client), opened from the daemon's own."""
         return os.open(f"/proc/self/fd/{self._fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
 
     def unlink(self) -> None:
-        """Remove the name and drop the lock; idempotent. Mappings in other processes stay valid.
+        """Remove the name (if any) and close; idempotent. Mappings in other processes stay valid,
+        and a sealed segment's pages go once the last of them does.
 
         Only our own file is removed: a stock reader may have unlinked the name already and
         someone else created a file under it since, which is not ours to delete."""
         if self._fd < 0:
             return
         try:
-            if _same_file(os.fstat(self._fd), os.lstat(self.path)):
+            if self.path is not None and _same_file(os.fstat(self._fd), os.lstat(self.path)):
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
@@ -101,7 +205,7 @@ class Segment:
             self._fd = -1
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "live"
+        state = "closed" if self.closed else "sealed" if self.path is None else "live"
         return f"Segment({self.name!r}, nbytes={self.nbytes}, {state})"
 
 

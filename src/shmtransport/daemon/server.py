@@ -342,10 +342,10 @@ class Daemon:
         wait_share = max(1, cfg.grpc_workers // 2 // len(specs))
         for index, (key, uid, gid) in enumerate(specs):
             base = shm_names.tenant_base(cfg.name_prefix, self.instance_id, index)
-            segment = Segment.create(shm_names.arena_name(base), arena_nbytes)
+            segment = Segment.create_sealed(shm_names.arena_name(base), arena_nbytes)
             objects = None
             if nslots:
-                table_segment = Segment.create(shm_names.table_name(base), objtable.table_nbytes(nslots))
+                table_segment = Segment.create_sealed(shm_names.table_name(base), objtable.table_nbytes(nslots))
                 try:
                     objects = ObjectBook(table_segment, nslots, cfg.handoff_window_ms, cfg.max_hold_ms)
                 except BaseException:

@@ -29,7 +29,6 @@ import grpc
 import numpy as np
 
 from ..errors import InvalidArgument, PermissionDenied, Unavailable
-from ..shm_names import SHM_DIR
 from ..v1 import remote_pb2 as rpb
 from ..v1 import remote_pb2_grpc as rpb_grpc
 from ._nixl import new_agent
@@ -77,13 +76,9 @@ class RemoteExtension:
     # -- lifecycle -------------------------------------------------------------------------------
     def install(self, server: grpc.Server) -> Callable[[], None]:
         daemon = self.daemon
-        info = daemon.arena_info
-        self.nbytes = int(info.nbytes)
-        fd = os.open(os.path.join(SHM_DIR, info.segment_name), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            self._mmap = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        arena = daemon.tenants[0].segment  # sealed, nameless: mapped from the daemon's own fd
+        self.nbytes = arena.nbytes
+        self._mmap = arena.map(writable=False)
         self.base_addr = int(np.frombuffer(self._mmap, dtype=np.uint8).ctypes.data)
         try:
             self.agent = new_agent(self.agent_name)
