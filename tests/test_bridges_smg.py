@@ -121,6 +121,14 @@ def test_identity_rules():
     assert list(out.mm_inputs.mm_hashes) == [] and len(out.mm_inputs.mm_placeholders) == 1
 
 
+def test_non_tensor_data_is_refused_as_unrepresentable():
+    """vLLM's non-tensor data (ints, floats, lists) reaches the bridge; SMG's TensorData cannot hold it."""
+    item = FeatureItem("image", {"pixel_values": np.ones((1, 4), np.float32), "num_crops": 2}, PlaceholderRange(0, 1))
+    built = frontend.build_request(None, [item], mode="inline", scheme="blake3")
+    with pytest.raises(Unrepresentable, match="image.num_crops \\(int, float or list data\\)"):
+        smg.to_smg(gen(built.request))
+
+
 def test_is_embed_mask_rejected():
     built = frontend.build_request(None, [img(1, 1, 4, [True, False, True, True])], mode="inline", scheme="blake3")
     with pytest.raises(Unrepresentable, match="is_embed"):

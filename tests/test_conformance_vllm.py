@@ -9,6 +9,8 @@ vLLM's gRPC paths (SMG's media sidecar, ``mm_serde``) encode an item as
 """
 from __future__ import annotations
 
+import base64
+import json
 import math
 import struct
 
@@ -18,6 +20,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vllm.entrypoints.scale_out.token_in_token_out.mm_features import mm_kwargs_from_features
+from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
 from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalFieldElem, MultiModalKwargsItem
 from vllm.multimodal.inputs import PlaceholderRange as VllmPlaceholderRange
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -25,9 +30,12 @@ from vllm.v1.utils import tensor_data
 
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
 from shmtransport.errors import InvalidArgument
-from shmtransport.identity import grpc_mm_identity
+from shmtransport.frontend import request as frontend
+from shmtransport.identity import grpc_mm_identity, item_identity
+from shmtransport.protocol.envelope import decode_envelope
 from shmtransport.protocol.items import FieldConfig
 from shmtransport.protocol.msgpack_kwargs import decode_kwargs_item, encode_kwargs_item
+from shmtransport.worker import request as worker
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")  # vLLM's decoder
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -116,12 +124,12 @@ def fields(draw, value):
 
 
 @st.composite
-def items(draw):
+def items(draw, values=_values):
     """(vLLM item, our kwargs, our fields): random keys in random (unsorted) order."""
     keys = draw(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4, unique=True))
     elems, kwargs, configs = {}, {}, {}
     for key in keys:
-        value = draw(_values)
+        value = draw(values)
         vfield, ours = draw(fields(value))
         elems[key] = MultiModalFieldElem(value, vfield)
         kwargs[key] = _as_tuples(value) if draw(st.booleans()) else value  # either form of ours
@@ -152,7 +160,7 @@ def assert_value_equal(ours, theirs) -> None:
     elif isinstance(theirs, float):
         assert isinstance(ours, float) and struct.pack("<d", ours) == struct.pack("<d", theirs)
     else:
-        assert type(ours) is int and ours == theirs
+        assert type(ours) is type(theirs) and ours == theirs  # an int, or a bool (vLLM's reader keeps it)
 
 
 def assert_same_vllm_item(a: MultiModalKwargsItem, b: MultiModalKwargsItem) -> None:
@@ -260,8 +268,6 @@ def test_non_tensor_data_ints_floats_and_lists_match_and_decode():
     for key, value in data.items():
         assert_value_equal(decoded.values[key], value)
     assert decoded.nbytes == 2 * 2 + 3 * 2 + 8
-    with pytest.raises(InvalidArgument, match="'frames' carries int, float or list data"):
-        decoded.require_tensors()
 
 
 def test_flat_from_sizes_slices_with_tensor_bounds_match():
@@ -322,3 +328,145 @@ def test_placeholder_range_has_vllms_public_surface_and_dense_windows():
     # a dense window past the length: vLLM does not check it, neither do we
     assert PlaceholderRange(0, 1).get_embeds_indices_in_range(0, 2) == (0, 2) == \
         VllmPlaceholderRange(0, 1).get_embeds_indices_in_range(0, 2)
+
+
+# -- vLLM's envelope (mm_serde) through our request path ---------------------------------------------
+# Every NestedTensors value vLLM's encoder writes for an item: tensors, lists (and tuples) of them,
+# ints over MessagePack's whole range, bools (ints to vLLM's reader), floats with NaN and infinities.
+_reader_numbers = st.one_of(st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats())
+_reader_leaf = st.one_of(tensors(), _reader_numbers)
+_reader_values = st.one_of(
+    tensors(), _reader_numbers,
+    st.lists(st.one_of(_reader_leaf, st.lists(_reader_leaf, max_size=2)), max_size=3),
+    st.lists(tensors(), min_size=1, max_size=3).map(tuple))
+_PATHS = [("grpc-mm", "msgpack"), ("xxh3-128", "inline"), ("xxh3-128", "msgpack"), ("blake3", "inline")]
+
+
+def envelope_of(modality: str, vllm_items: list[MultiModalKwargsItem]) -> dict:
+    """vLLM's ``MultiModalFeatures`` JSON for the items, kwargs written by its own ``mm_serde``."""
+    return {"mm_hashes": {modality: [f"vllm-hash-{i}" for i in range(len(vllm_items))]},
+            "mm_placeholders": {modality: [{"offset": 8 * i, "length": 4} for i in range(len(vllm_items))]},
+            "kwargs_data": {modality: [encode_mm_kwargs_item(it) for it in vllm_items]}}
+
+
+def assert_engine_value_equal(ours, theirs) -> None:
+    """What our worker hands the engine vs what vLLM's reader gives: torch tensors, lists, numbers."""
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape)
+        assert bytes(tensor_data(ours)) == bytes(tensor_data(theirs))
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            assert_engine_value_equal(a, b)
+    else:
+        assert_value_equal(ours, theirs)
+
+
+@PROPERTY
+@given(st.lists(items(_reader_values), min_size=1, max_size=3), st.sampled_from(["image", "video", "audio"]),
+       st.sampled_from(_PATHS))
+def test_vllm_envelope_items_are_read_as_vllms_reader_reads_them_through_our_whole_path(cases, modality, path):
+    env = envelope_of(modality, [case[0] for case in cases])
+    theirs = mm_kwargs_from_features(MultiModalFeatures.model_validate(env))[modality]  # vLLM's own reader
+    ours = decode_envelope(json.dumps(env))
+    for item, their, (_, _, configs) in zip(ours, theirs, cases):
+        assert list(item.kwargs) == list(their) == list(item.fields)  # every key, in the item's order
+        for key, elem in their.items():
+            assert_value_equal(item.kwargs[key], elem.data)
+            assert item.fields[key] == configs[key]
+    raws = [base64.b64decode(b) for b in env["kwargs_data"][modality]]
+    assert [item.kwargs_msgpack for item in ours] == raws  # vLLM's exact bytes, never re-encoded
+
+    # The request path checks vLLM's field metadata across items (validate_mm_field_metadata), which
+    # random layouts break: there, one batched layout per key.
+    batched = [MultiModalKwargsItem({key: MultiModalFieldElem(elem.data, MultiModalFieldConfig.batched(
+        modality, keep_on_cpu=len(key) % 2 == 0).field) for key, elem in item.items()}) for item, _, _ in cases]
+    env = envelope_of(modality, batched)
+    theirs = mm_kwargs_from_features(MultiModalFeatures.model_validate(env))[modality]
+    ours = decode_envelope(env)
+    raws = [base64.b64decode(b) for b in env["kwargs_data"][modality]]
+    scheme, mode = path
+    built = frontend.request_from_envelope(None, env, scheme=scheme, mode=mode)
+    sent = built.request.batches[0].items
+    if scheme == "grpc-mm":  # upstream's identity: over vLLM's bytes as its encoder wrote them
+        assert [it.mm_hash for it in sent] == [grpc_mm_identity(modality, raw) for raw in raws]
+    else:
+        assert [it.mm_hash for it in sent] == [item_identity(modality, item.kwargs, scheme) for item in ours]
+    with worker.open_request(None, built.request, verify="always") as inputs:  # identities re-verified
+        assert inputs.mm_hashes[modality] == [it.mm_hash for it in sent]
+        for kwargs, their in zip(inputs.mm_kwargs[modality], theirs):
+            assert list(kwargs) == list(their)
+            for key, elem in their.items():
+                assert_engine_value_equal(kwargs[key], elem.data)
+
+
+@PROPERTY
+@given(items(_reader_values), st.sampled_from(["xxh3-128", "blake3"]), st.data())
+def test_identity_covers_non_tensor_data(case, scheme, data):
+    """Changing any one number of an item's data changes its identity (two-level schemes)."""
+    vllm_item = case[0]
+    values = decode_kwargs_item(base64.b64decode(encode_mm_kwargs_item(vllm_item))).values
+    key = data.draw(st.sampled_from(list(values)))
+    changed = dict(values)
+    changed[key] = [values[key]] if data.draw(st.booleans()) else _bump_a_number(values[key])
+    if changed[key] is not None:
+        assert item_identity("image", changed, scheme) != item_identity("image", values, scheme)
+
+
+def _bump_a_number(value):
+    """The value with its first number changed (True -> 1, ints +1 or -1, floats to another bit pattern)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value - 1 if value > 0 else value + 1
+    if isinstance(value, float):
+        return -value if value == value and value != 0.0 else (0.5 if value != 0.5 else 1.5)
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            bumped = _bump_a_number(v)
+            if bumped is not None:
+                return value[:i] + [bumped] + value[i + 1:]
+    return None
+
+
+def _item_bytes(data) -> bytes:
+    return msgpack.packb({"k": {"data": data, "field": ["batched", {"keep_on_cpu": False}]}}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("data", [
+    True, [False, 2], 1 << 63, (1 << 64) - 1, -(1 << 63), [float("nan"), -0.0], [], [[], [1]],
+    [["int8", [1], msgpack.ExtType(3, b"\x07")], 3],
+])
+def test_we_accept_every_value_vllms_reader_accepts(data):
+    raw = _item_bytes(data)
+    theirs = VLLM_DECODER.decode(raw)["k"].data
+    assert_value_equal(decode_kwargs_item(raw).values["k"], theirs)
+
+
+def test_a_msgpack_float32_reads_as_vllms_reader_reads_it():
+    raw = _item_bytes(1.5).replace(b"\xcb" + struct.pack(">d", 1.5), b"\xca" + struct.pack(">f", 1.5))
+    assert raw != _item_bytes(1.5)
+    assert decode_kwargs_item(raw).values["k"] == VLLM_DECODER.decode(raw)["k"].data == 1.5
+
+
+@pytest.mark.parametrize("data", [
+    [1.5, None], "x", [1, "x"], {"a": 1}, ["float32", [1]], [["float32", [1], 0]],
+    [["float32", [1], msgpack.ExtType(3, b"\0" * 4), 1]], [["no_such_dtype", [1], msgpack.ExtType(3, b"\0")]],
+])
+def test_we_refuse_with_a_typed_error_where_vllms_reader_refuses(data):
+    raw = _item_bytes(data)
+    with pytest.raises(Exception):  # noqa: B017 - vLLM raises TypeError, ValueError, IndexError, ...
+        VLLM_DECODER.decode(raw)
+    with pytest.raises(InvalidArgument):
+        decode_kwargs_item(raw)
+
+
+def test_what_we_refuse_although_vllms_reader_takes_it():
+    """Never written by vLLM's encoder for an inline item, and not safe to carry: a nil data (vLLM's
+    "cached in EngineCore" element: nothing to verify an identity against), a tensor whose bytes are
+    MessagePack bin (msgpack would copy them; vLLM always writes Ext(3))."""
+    for data, match in [(None, "carries no data"), (["float32", [1], b"\0" * 4], "Ext\\(3, bytes\\)")]:
+        raw = _item_bytes(data)
+        VLLM_DECODER.decode(raw)  # vLLM's reader takes it
+        with pytest.raises(InvalidArgument, match=match):
+            decode_kwargs_item(raw)

@@ -357,7 +357,9 @@ def test_invalid_arguments_raise_invalid_argument_naming_the_argument():
         (lambda: identity.item_identity("image", {"k": arr}, scheme="md5"), "scheme"),
         (lambda: identity.item_identity("image", {"k": arr}, scheme="grpc-mm"), "grpc_mm_identity"),
         (lambda: identity.item_identity("image", [arr]), "tensors"),
-        (lambda: identity.item_identity("image", {"k": [1, 2]}), "tensors"),
+        (lambda: identity.item_identity("image", {"k": [1, "two"]}), "tensors"),  # [1, 2] is vLLM data
+        (lambda: identity.combine("xxh3-128", "image", [("k", identity.NESTED, (2,), 0, digest)]), "no shape"),
+        (lambda: identity.combine("xxh3-128", "image", [("k", identity.NESTED, (), 8, digest)]), "nbytes"),
         (lambda: identity.item_identity("image", {"k": np.zeros(2, np.complex64)}), "dtype"),
         (lambda: identity.item_identity("image", {"": arr}), "key"),
         (lambda: identity.combine("xxh3-128", "image", [("k", "float32", (2,), 7, digest)]), "nbytes"),

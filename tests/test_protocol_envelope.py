@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmtransport.embedmask import EmbedMask, PlaceholderRange
-from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason
+from shmtransport.errors import IdentityMismatch, InvalidArgument, Reason, ResourceExhausted
 from shmtransport.frontend import request as frontend
-from shmtransport.identity import grpc_mm_identity, item_identity
+from shmtransport.identity import combine, grpc_mm_identity, item_identity, tensor_digest
 from shmtransport.protocol import routing
 from shmtransport.protocol.items import FeatureItem, FieldConfig
+from shmtransport.protocol.limits import Limits
 from shmtransport.protocol.msgpack_kwargs import decode_kwargs_item, encode_kwargs_item, preflight
 from shmtransport.worker import request as worker
 
@@ -62,8 +63,7 @@ def _raw(data, field=("batched", {"keep_on_cpu": False})):
 
 
 @pytest.mark.parametrize("data,match", [
-    (True, "not a tensor, int, float or list"), ([1.5, None], "not a tensor, int, float or list"),
-    ([1, "x"], "str data"), ("x", "str data"), (1 << 63, "outside int64"), ([(1 << 64) - 1], "outside int64"),
+    ([1.5, None], "nil is not a tensor, int, float or list"), ([1, "x"], "str data"), ("x", "str data"),
     ({"a": 1}, "dict data"), (b"raw", "bytes data"), (msgpack.ExtType(3, b"\0"), "bare Ext"),
     (["float32", [1]], "a tensor must be"), ([["float32", [2], msgpack.ExtType(3, b"\0" * 7)]], "needs 8"),
     ([[["uint8", [1], 0]]], "aux-frame index"), ([["complex64", [1], msgpack.ExtType(3, b"\0" * 8)]], "dtype"),
@@ -91,18 +91,69 @@ def test_encoder_refuses_what_the_gateway_cannot_carry(value):
         encode_kwargs_item({"k": value})
 
 
-def test_tensor_only_consumers_refuse_non_tensor_items_instead_of_dropping_keys():
+def _env(raw: bytes, n: int = 1) -> dict:
+    return {"mm_hashes": {"image": [f"{i:016x}" for i in range(n)]},
+            "mm_placeholders": {"image": [[4 * i, 2] for i in range(n)]},
+            "kwargs_data": {"image": [base64.b64encode(raw).decode()] * n}}
+
+
+@pytest.mark.parametrize("scheme,mode", [("xxh3-128", "inline"), ("blake3", "msgpack"), ("grpc-mm", "msgpack")])
+def test_non_tensor_data_is_carried_to_the_engine_with_its_exact_bytes(scheme, mode):
+    raw = encode_kwargs_item({"pixel_values": np.ones(2, np.float32), "num_crops": 2,
+                              "frames": [np.int16([5]), 0.5], "sizes": []})
+    built = frontend.request_from_envelope(None, _env(raw), scheme=scheme, mode=mode)
+    item = built.request.batches[0].items[0]
+    assert item.kwargs_msgpack == raw and not item.kwargs  # a typed Kwarg holds one tensor: the bytes travel
+    with worker.open_request(None, built.request) as inputs:  # verify="always": identity recomputed
+        kw = inputs.mm_kwargs["image"][0]
+        assert list(kw) == ["pixel_values", "num_crops", "frames", "sizes"]
+        assert kw["num_crops"] == 2 and kw["frames"][1] == 0.5 and kw["sizes"] == []
+        assert kw["frames"][0].tolist() == [5] and kw["pixel_values"].tolist() == [1.0, 1.0]
+        assert inputs.mm_hashes["image"] == [item.mm_hash]
+
+
+def test_an_identity_not_covering_non_tensor_data_is_refused_by_the_worker():
     raw = encode_kwargs_item({"pixel_values": np.ones(2, np.float32), "num_crops": 2})
-    env = {"mm_hashes": {"image": ["a" * 16]}, "mm_placeholders": {"image": [[0, 2]]},
-           "kwargs_data": {"image": [base64.b64encode(raw).decode()]}}
-    with pytest.raises(InvalidArgument, match="'num_crops' carries int, float or list data"):
-        frontend.request_from_envelope(None, env, mode="inline")
-    items = [FeatureItem("image", {}, PlaceholderRange(0, 2), kwargs_msgpack=raw)]
-    with pytest.raises(InvalidArgument, match="'num_crops'"):
-        frontend.build_request(None, items, mode="msgpack")  # an xxh3 identity would not cover num_crops
-    req = frontend.build_request(None, items, mode="msgpack", scheme="grpc-mm").request  # bytes are hashed whole
-    with pytest.raises(InvalidArgument, match="'num_crops'"):
-        worker.open_request(None, req)  # the worker hands the model tensors only
+    built = frontend.request_from_envelope(None, _env(raw), mode="msgpack")
+    item = built.request.batches[0].items[0]
+    assert item.mm_hash != item_identity("image", {"pixel_values": np.ones(2, np.float32)})
+    item.kwargs_msgpack = encode_kwargs_item({"pixel_values": np.ones(2, np.float32), "num_crops": 3})
+    with pytest.raises(IdentityMismatch):
+        worker.open_request(None, built.request)
+
+
+def test_non_tensor_items_keep_the_inline_limits():
+    raw = encode_kwargs_item({"n": 1})
+    with pytest.raises(ResourceExhausted, match="max_inline_items"):
+        frontend.request_from_envelope(None, _env(raw, 3), mode="inline", limits=Limits(max_inline_items=2))
+    with pytest.raises(ResourceExhausted, match="max_inline_bytes"):
+        frontend.build_request(None, [FeatureItem("image", {"n": 1}, PlaceholderRange(0, 2))], mode="inline",
+                               limits=Limits(max_inline_bytes=len(raw) - 1))
+
+
+def test_items_with_non_tensor_data_keep_one_field_layout_per_key():
+    one = encode_kwargs_item({"n": 1})
+    two = encode_kwargs_item({"n": 2}, {"n": FieldConfig("batched", keep_on_cpu=True)})
+    env = _env(one, 2)
+    env["kwargs_data"]["image"][1] = base64.b64encode(two).decode()
+    built = frontend.request_from_envelope(None, env, mode="msgpack")
+    with pytest.raises(InvalidArgument, match="image.n: items use different field configs"):
+        worker.open_request(None, built.request)
+
+
+@pytest.mark.parametrize("scheme", ["xxh3-128", "blake3"])
+def test_identity_tells_non_tensor_data_apart(scheme):
+    t = np.int64([1])
+    distinct = [1, True, 1.0, [1], [t], t, -0.0, 0.0, 1 << 63, -(1 << 63), [], [[]], [1, [2]], [[1], 2]]
+    ids = [item_identity("image", {"k": v}, scheme) for v in distinct]
+    assert len(set(ids)) == len(distinct)
+    same = [((1,), [1]), ((t, t), [t, t]), (("int64", (1,), t.tobytes()), t)]  # vLLM writes tuples as lists
+    for a, b in same:
+        assert item_identity("image", {"k": a}, scheme) == item_identity("image", {"k": b}, scheme)
+    assert ids[5] == combine(scheme, "image", [("k", "int64", (1,), 8, tensor_digest(scheme, t))])  # unchanged
+    for bad in ("x", None, {"a": 1}, 1 << 64, [1, "x"]):
+        with pytest.raises(InvalidArgument):
+            item_identity("image", {"k": bad}, scheme)
 
 
 _dtypes = st.sampled_from(["bool", "uint8", "int8", "float16", "bfloat16", "uint16", "int16", "float32", "uint32",

@@ -17,6 +17,15 @@ verify tensors in parallel:
    byte order). Key, dtype and shape are all hashed, so items that differ only in those never
    share an identity.
 
+   A key whose data is not one tensor (vLLM's NestedTensors: an int, a bool, a float or a list of
+   these and tensors) is the entry ``framed(key) || framed("nested") || u64le(0) || u64le(0) ||
+   value_digest``: "nested" is no dtype name, so it never reads as a tensor entry, and an item of
+   tensors only keeps its identity. ``value_digest`` is the scheme's hash over ::
+
+       tensor: b"T" || framed(dtype) || u64le(rank) || u64le(dim)*rank || u64le(nbytes) || digest
+       int:    b"I" || i128le          bool: b"B" || u8          float: b"F" || f64le bits
+       list:   b"L" || u64le(count) || each element (a tuple that is not a tensor is a list)
+
 The ``grpc-mm`` scheme is vLLM gRPC's identity of a preprocessed item: SHA-256 over the exact
 MessagePack bytes of its kwargs (``grpc_mm_identity``; recipe in reference/protocol-facts.md 1.6).
 Those bytes are vLLM's ``MsgpackEncoder(size_threshold=2**62).encode(item)[0]``, which
@@ -44,11 +53,14 @@ from .v1 import features_pb2 as fpb
 DEFAULT_SCHEME = "xxh3-128"  # also what a batch's IDENTITY_SCHEME_UNSPECIFIED means
 
 _DOMAIN = b"shmtransport.identity.v1\0"
+NESTED = "nested"  # the dtype slot of a non-tensor value's entry: no tensor dtype has this name
+_MSGPACK_INT = (-(1 << 63), (1 << 64) - 1)  # the ints a kwargs item can carry
 _GRPC_MM_DOMAIN = b"vllm.grpc.preprocessed-mm.v1"
 
 __all__ = [
     "IdentityScheme", "SCHEMES", "identity_scheme", "scheme_from_pb", "DEFAULT_SCHEME", "DTYPE_ITEMSIZE",
-    "dtype_name", "tensor_digest", "combine", "item_identity", "grpc_mm_identity", "cache_identifier", "validate_uuid",
+    "dtype_name", "tensor_digest", "value_digest", "combine", "item_identity", "is_tensor_value", "NESTED",
+    "grpc_mm_identity", "cache_identifier", "validate_uuid",
 ]
 
 
@@ -146,6 +158,14 @@ def _tensor_parts(key: str, value: Any) -> tuple[str, tuple[int, ...], memoryvie
                           f"got {type(value).__name__}")
 
 
+def is_tensor_value(value: Any) -> bool:
+    """Whether a kwargs value is one tensor: vLLM's rule in our value form (a tuple led by a dtype
+    name, an ndarray or a torch tensor); anything else is non-tensor data (int, float, list)."""
+    if isinstance(value, tuple):
+        return bool(value) and isinstance(value[0], str)
+    return isinstance(value, np.ndarray) or type(value).__module__.startswith("torch")
+
+
 def _check_shape(key: str, shape: Any) -> tuple[int, ...]:
     try:
         dims = tuple(int(d) for d in shape)
@@ -164,6 +184,38 @@ def tensor_digest(scheme: str, buf: Any, threads: int | None = None) -> bytes:
     tensor_hash = _check_scheme(scheme).tensor_hash
     assert tensor_hash is not None  # _check_scheme returns a two-level scheme
     return tensor_hash(buf, threads)
+
+
+def value_digest(scheme: str, value: Any, threads: int | None = None, key: str = "value") -> bytes:
+    """Digest of a non-tensor kwargs value (int, bool, float, or a list/tuple of these and tensors),
+    the ``value_digest`` of a ``"nested"`` entry (recipe in the module docstring)."""
+    spec = _check_scheme(scheme)
+    parts: list[bytes] = []
+    _encode_value(scheme, key, value, threads, parts)
+    assert spec.stream_hash is not None  # _check_scheme returns a two-level scheme
+    return spec.stream_hash(b"".join(parts))
+
+
+def _encode_value(scheme: str, key: str, value: Any, threads: int | None, parts: list[bytes]) -> None:
+    if is_tensor_value(value):
+        name, shape, view = _tensor_parts(key, value)
+        parts += [b"T", _framed(name), _u64(len(shape)), *(_u64(d) for d in shape), _u64(view.nbytes),
+                  tensor_digest(scheme, view, threads)]
+    elif isinstance(value, bool):  # before int: True and 1 are different data to the model
+        parts += [b"B", bytes([value])]
+    elif isinstance(value, int):
+        if not _MSGPACK_INT[0] <= value <= _MSGPACK_INT[1]:
+            raise InvalidArgument(f"tensors[{key!r}]: int {value} is outside int64/uint64")
+        parts += [b"I", value.to_bytes(16, "little", signed=True)]
+    elif isinstance(value, float):
+        parts += [b"F", struct.pack("<d", value)]  # the bits: NaN payloads and -0.0 stay distinct
+    elif isinstance(value, (list, tuple)):
+        parts += [b"L", _u64(len(value))]
+        for v in value:
+            _encode_value(scheme, key, v, threads, parts)
+    else:
+        raise InvalidArgument(f"tensors[{key!r}] must be a tensor, an int, a bool, a float or a list of these, "
+                              f"got {type(value).__name__}")
 
 
 def _xxh3_tree(buf: Any, threads: int | None) -> bytes:
@@ -201,7 +253,8 @@ def _blake3(stream: bytes) -> bytes:
 
 
 def combine(scheme: str, modality: str, entries: Iterable[tuple[str, str, Sequence[int], int, bytes]]) -> str:
-    """Item identity from per-tensor entries ``(key, dtype_name, shape, nbytes, digest)``."""
+    """Item identity from per-tensor entries ``(key, dtype_name, shape, nbytes, digest)``; a
+    non-tensor value's entry is ``(key, NESTED, (), 0, value_digest)``."""
     spec = _check_scheme(scheme)
     _check_modality(modality)
     checked = []
@@ -215,9 +268,14 @@ def combine(scheme: str, modality: str, entries: Iterable[tuple[str, str, Sequen
         if key in seen:
             raise InvalidArgument(f"entry key {key!r} appears twice")
         seen.add(key)
-        dtype = dtype_name(dtype)
         dims = _check_shape(key, shape)
-        expected = math.prod(dims) * DTYPE_ITEMSIZE[dtype]
+        if dtype == NESTED:
+            expected = 0
+            if dims:
+                raise InvalidArgument(f"a {NESTED} entry of {key!r} has no shape, got {list(dims)}")
+        else:
+            dtype = dtype_name(dtype)
+            expected = math.prod(dims) * DTYPE_ITEMSIZE[dtype]
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes != expected:
             raise InvalidArgument(f"nbytes of {key!r} is {nbytes!r} but {dtype}{list(dims)} has {expected}")
         try:
@@ -237,7 +295,8 @@ def combine(scheme: str, modality: str, entries: Iterable[tuple[str, str, Sequen
 
 def item_identity(modality: str, tensors: Mapping[str, Any], scheme: str = DEFAULT_SCHEME,
                   threads: int | None = None) -> str:
-    """Identity of one item from its tensors (ndarray, torch.Tensor or (dtype, shape, buffer))."""
+    """Identity of one item from its kwargs: tensors (ndarray, torch.Tensor or (dtype, shape,
+    buffer)) and vLLM's non-tensor data (int, bool, float, list/tuple of these and tensors)."""
     _check_scheme(scheme)
     _check_modality(modality)
     if not isinstance(tensors, Mapping):
@@ -246,8 +305,11 @@ def item_identity(modality: str, tensors: Mapping[str, Any], scheme: str = DEFAU
     for key, value in tensors.items():
         if not isinstance(key, str) or not key:
             raise InvalidArgument(f"tensor key must be a non-empty str, got {key!r}")
-        name, shape, view = _tensor_parts(key, value)
-        entries.append((key, name, shape, view.nbytes, tensor_digest(scheme, view, threads)))
+        if is_tensor_value(value):
+            name, shape, view = _tensor_parts(key, value)
+            entries.append((key, name, shape, view.nbytes, tensor_digest(scheme, view, threads)))
+        else:
+            entries.append((key, NESTED, (), 0, value_digest(scheme, value, threads, key)))
     return combine(scheme, modality, entries)
 
 

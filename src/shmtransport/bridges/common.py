@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..client import Consumer
 from ..embedmask import PlaceholderRange
@@ -11,9 +11,6 @@ from ..protocol.items import FieldConfig
 from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..protocol.msgpack_kwargs import encode_kwargs_item
 from ..v1 import features_pb2 as fpb
-
-if TYPE_CHECKING:
-    import torch
 
 
 class Unrepresentable(InvalidArgument):
@@ -29,7 +26,7 @@ class ItemPayload:
     modality: str
     placeholder: PlaceholderRange
     mm_hash: str
-    kwargs: dict[str, torch.Tensor]  # key -> a copy, independent of any lease
+    kwargs: dict[str, Any]  # key -> a copy, independent of any lease: a tensor or vLLM's non-tensor data
     fields: dict[str, FieldConfig]
     msgpack: bytes  # vLLM's kwargs MessagePack: the producer's exact bytes when it sent them
 
@@ -47,7 +44,7 @@ def item_payloads(multimodal: fpb.MultimodalRequest, consumer: Consumer | None,
         for modality, items in inputs.mm_kwargs.items():
             for j, kw in enumerate(items):
                 fields = inputs.mm_fields[modality][j]
-                copied = {key: t.clone() for key, t in kw.items()}
+                copied = {key: _copied(v) for key, v in kw.items()}
                 raw = raws[k]
                 if raw is None:
                     raw = encode_kwargs_item(copied, fields)
@@ -55,3 +52,10 @@ def item_payloads(multimodal: fpb.MultimodalRequest, consumer: Consumer | None,
                                        inputs.mm_hashes[modality][j], copied, fields, bytes(raw)))
                 k += 1
     return out
+
+
+def _copied(value: Any) -> Any:
+    """A tensor cloned out of its lease; vLLM's non-tensor data (numbers, lists) copied around it."""
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value.clone() if hasattr(value, "clone") else value

@@ -220,6 +220,10 @@ def _plan(modality: str, items: list[ItemPayload], drop_identities: bool) -> _Ba
         raise unrepresentable(TARGET, f"{modality} items", "SMG's modality_name reads every batch that is not "
                                                            "VIDEO as image")
     keys = sorted(items[0].kwargs)
+    numbers = [k for p in items for k, v in p.kwargs.items() if not isinstance(v, torch.Tensor)]
+    if numbers:
+        raise unrepresentable(TARGET, f"{modality}.{numbers[0]} (int, float or list data)",
+                              "SMG's TensorData carries one tensor per key")
     if not keys:
         raise unrepresentable(TARGET, f"{modality} items without tensors", "SMG skips a batch with no tensor")
     if any(sorted(p.kwargs) != keys for p in items):

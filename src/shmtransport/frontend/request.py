@@ -7,7 +7,9 @@ over those per-tensor digests, so nothing is hashed twice. Tensors already in sh
 
 Transport modes: ``"shm"`` (default; TensorData.shm handles), ``"inline"`` (TensorData.inline raw
 bytes) and ``"msgpack"`` (vLLM's kwargs MessagePack in ``kwargs_msgpack``; the only mode for the
-``grpc-mm`` scheme). The inline modes keep vLLM's 64 items / 16 MiB limits.
+``grpc-mm`` scheme). The inline modes keep vLLM's 64 items / 16 MiB limits. An item holding vLLM's
+non-tensor data (ints, floats, lists of tensors: a typed ``Kwarg`` holds one tensor) travels as its
+kwargs MessagePack in every mode, within those inline limits.
 
 In ``"shm"`` mode small tensors still ride inline (``InlinePolicy``): a handoff through shared memory
 costs two control-plane round trips (Loan, Acquire) whatever the size, while inline bytes cost only
@@ -26,12 +28,21 @@ from .. import objtable
 from ..client import Handle, Producer
 from ..embedmask import PlaceholderRange
 from ..errors import IdentityMismatch, InvalidArgument
-from ..identity import DEFAULT_SCHEME, IdentityScheme, cache_identifier, combine, identity_scheme, tensor_digest
+from ..identity import (
+    DEFAULT_SCHEME,
+    IdentityScheme,
+    cache_identifier,
+    combine,
+    identity_scheme,
+    is_tensor_value,
+    item_identity,
+    tensor_digest,
+)
 from ..protocol import routing
 from ..protocol.envelope import decode_envelope
 from ..protocol.items import FeatureItem, modality_to_pb
 from ..protocol.limits import DEFAULT_LIMITS, U32_MAX, Limits
-from ..protocol.msgpack_kwargs import encode_kwargs_item
+from ..protocol.msgpack_kwargs import decode_kwargs_item, encode_kwargs_item
 from ..protocol.validate import check_modality_name, check_placeholders, check_uuid, limit_exceeded
 from ..tensors import DTYPES, as_byte_array, to_torch
 from ..v1 import features_pb2 as fpb
@@ -168,12 +179,22 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
             raise InvalidArgument(f"{it.modality}: an item without kwargs cannot be built")
     check_placeholders([(it.modality, i, it.placeholder.offset, it.placeholder.length)
                         for i, it in enumerate(items)], prompt_len)
+    packed = {i: _kwargs_msgpack(it, f"{it.modality} item {i}") for i, it in enumerate(items)
+              if mode == "msgpack" or _has_non_tensor_data(it)}
+    packed_nbytes = sum(len(raw) for raw in packed.values())
+    if len(packed) > limits.max_inline_items:
+        raise limit_exceeded("max_inline_items", len(packed), limits.max_inline_items)
+    if packed_nbytes > limits.max_inline_bytes:
+        raise limit_exceeded("max_inline_bytes", packed_nbytes, limits.max_inline_bytes)
+    # what the packed items leave of the inline limits for small tensors riding inline
+    inline_room = dataclasses.replace(limits, max_inline_bytes=limits.max_inline_bytes - packed_nbytes,
+                                      max_inline_items=limits.max_inline_items - len(packed))
 
     # -- tensors: one put_many for the whole request (one Loan RPC, one copy per tensor) ------------
     sources: list[_SourceEntry] = []  # (item index, key, source tuple or Handle)
     total = 0
     for i, it in enumerate(items):
-        if mode == "msgpack":
+        if i in packed:
             continue
         for key in sorted(it.kwargs):
             value = it.kwargs[key]
@@ -183,14 +204,14 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
             src = _source(key, value)
             total += src[1].nbytes
             sources.append((i, key, src))
-    if mode == "inline" and total > limits.max_inline_bytes:
-        raise limit_exceeded("max_inline_bytes", total, limits.max_inline_bytes)
+    if mode == "inline" and total + packed_nbytes > limits.max_inline_bytes:
+        raise limit_exceeded("max_inline_bytes", total + packed_nbytes, limits.max_inline_bytes)
     shm_index: dict[tuple[int, str], int] = {}
     to_put: list[Any] = []
     inline_nbytes = total
     put: list[Handle] = []
     if mode == "shm":
-        for i, key, src in _to_shared_memory(sources, total, inline, limits):
+        for i, key, src in _to_shared_memory(sources, total, inline, inline_room):
             shm_index[(i, key)] = len(to_put)
             to_put.append(src[0])
             inline_nbytes -= src[1].nbytes
@@ -200,12 +221,28 @@ def build_request(producer: Producer | None, items: Sequence[FeatureItem], *, sc
             assert producer is not None  # checked above: mode "shm" needs a Producer
             put = producer.put_many(to_put, digest=spec.uses_fused_digest)
     try:
-        request = _assemble(items, sources, shm_index, put, spec, adapter, prompt_len, mode, with_markers, limits)
+        request = _assemble(items, sources, shm_index, put, packed, spec, adapter, prompt_len, with_markers, limits)
     except BaseException:
         if put and producer is not None:
             producer.release(put)
         raise
     return BuiltRequest(request, producer, put, inline_nbytes)
+
+
+def _has_non_tensor_data(item: FeatureItem) -> bool:
+    return any(not (isinstance(v, Handle) or is_tensor_value(v)) for v in item.kwargs.values())
+
+
+def _kwargs_msgpack(item: FeatureItem, where: str) -> bytes:
+    """The item's kwargs MessagePack: the producer's exact bytes when it has them (the grpc-mm
+    identity is over those bytes), else vLLM's encoding of its kwargs."""
+    if item.kwargs_msgpack is not None:
+        return item.kwargs_msgpack
+    handles = [k for k, v in item.kwargs.items() if isinstance(v, Handle)]
+    if handles:
+        raise InvalidArgument(f"{where}: kwargs {handles[0]!r} is a shared-memory handle, but this item travels as "
+                              f"kwargs MessagePack (non-tensor data or mode='msgpack'): pass the tensor")
+    return encode_kwargs_item(item.kwargs, item.fields)
 
 
 def _to_shared_memory(sources: list[_SourceEntry], total: int, inline: InlinePolicy,
@@ -231,8 +268,8 @@ def _to_shared_memory(sources: list[_SourceEntry], total: int, inline: InlinePol
 
 
 def _assemble(items: Sequence[FeatureItem], sources: list[_SourceEntry], shm_index: dict[tuple[int, str], int],
-              put: list[Handle], spec: IdentityScheme, adapter: str | None, prompt_len: int | None, mode: str,
-              with_markers: bool, limits: Limits) -> fpb.MultimodalRequest:
+              put: list[Handle], packed: dict[int, bytes], spec: IdentityScheme, adapter: str | None,
+              prompt_len: int | None, with_markers: bool, limits: Limits) -> fpb.MultimodalRequest:
     scheme = spec.name
     tensors: dict[int, dict[str, fpb.TensorData]] = {}
     entries: dict[int, list[_IdentityEntry]] = {}
@@ -262,28 +299,18 @@ def _assemble(items: Sequence[FeatureItem], sources: list[_SourceEntry], shm_ind
 
     request = fpb.MultimodalRequest(prompt_len=prompt_len or 0)
     batches: dict[str, fpb.MultimodalInputs] = {}
-    inline_bytes = 0
     for i, it in enumerate(items):
         batch = batches.get(it.modality)
         if batch is None:
             batch = batches[it.modality] = request.batches.add(
                 modality=modality_to_pb(it.modality), identity_scheme=spec.pb, adapter=adapter or "")
         msg = batch.items.add(placeholder=placeholder_to_proto(it.placeholder))
-        if mode == "msgpack":
-            raw = it.kwargs_msgpack if it.kwargs_msgpack is not None else encode_kwargs_item(it.kwargs, it.fields)
-            inline_bytes += len(raw)
-            if inline_bytes > limits.max_inline_bytes:
-                raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes)
-            msg.kwargs_msgpack = raw
+        if i in packed:
+            raw = msg.kwargs_msgpack = packed[i]
             if spec.msgpack_identity is not None:  # spec.over_msgpack
                 identity = spec.msgpack_identity(it.modality, raw)
-            else:
-                from ..protocol.msgpack_kwargs import decode_kwargs_item
-
-                decoded = decode_kwargs_item(raw, limits)
-                decoded.require_tensors(f"{it.modality} item {i}")  # the identity covers tensors only
-                identity = combine(scheme, it.modality, [(k, d, s, memoryview(b).nbytes, tensor_digest(scheme, b))
-                                                         for k, (d, s, b) in decoded.tensors.items()])
+            else:  # from the bytes that travel, as the worker computes it (non-tensor data included)
+                identity = item_identity(it.modality, decode_kwargs_item(raw, limits).values, scheme)
         else:
             for key, td in tensors[i].items():
                 kw = msg.kwargs[key]

@@ -8,7 +8,11 @@ Exactly these three keys (``deny_unknown_fields``; the optional ``mm_metadata`` 
 The envelope is the inline path: vLLM's 64 items and 16 MiB of decoded kwargs apply
 (RESOURCE_EXHAUSTED). The envelope's hashes are validated (non-empty, <= 512 bytes, safe as a UUID);
 one that is an identity of our scheme is carried and verified against the payload; others (vLLM
-``MultiModalHasher`` digests) are not trusted: the content identity is recomputed from the tensors.
+``MultiModalHasher`` digests) are not trusted: the content identity is recomputed from the kwargs.
+
+``kwargs_data`` items are what vLLM's ``mm_serde.encode_mm_kwargs_item`` writes and
+``decode_mm_kwargs_item`` reads back: field data may be a tensor or vLLM's non-tensor data (ints,
+bools, floats, lists of these and tensors); each item keeps every value and its exact bytes.
 """
 from __future__ import annotations
 
@@ -149,10 +153,9 @@ def decode_envelope(features: Any, *, prompt_len: int | None = None, routing_mar
         if remaining < 0:
             raise limit_exceeded("max_inline_bytes", limits.max_inline_bytes - remaining, limits.max_inline_bytes)
         decoded = decode_kwargs_item(raw, limits)
-        decoded.require_tensors(where)  # FeatureItem kwargs are tensors; identities cover them only
         named = SCHEMES.get(h.split(":", 1)[0])
-        ours = named is not None and not named.over_msgpack  # verifiable against the decoded tensors
-        items.append(FeatureItem(modality, decoded.tensors, placeholder, decoded.fields,
+        ours = named is not None and not named.over_msgpack  # verifiable against the decoded values
+        items.append(FeatureItem(modality, decoded.values, placeholder, decoded.fields,
                                  mm_hash=h if ours else None, kwargs_msgpack=raw))
     if markers is not None:
         images = [it for it in items if it.modality == "image"]

@@ -23,9 +23,14 @@ truncation, trailing bytes: the checks of vLLM's gateway), then ``msgpack.unpack
 as fresh ``bytes`` (a copy), so the preflight records each Ext(3) payload's span and msgpack decodes
 a skeleton in which each payload is replaced by an 8-byte span index: tensors are zero-copy
 memoryviews of the input, and the only copy of their bytes is the one into shared memory. Pickle
-exts (1, 2) and aux-frame index references are rejected; nothing is ever unpickled. Data values are
-the gateway's
-``NestedTensorValue``: a tensor, an int (i64), a float or a list of these; bool, nil and str are not.
+exts (1, 2) and aux-frame index references are rejected; nothing is ever unpickled.
+
+Data values are what vLLM's reader (``MsgpackDecoder._decode_nested_tensors``, used by
+``mm_serde.decode_mm_kwargs_item``) accepts: a tensor, an int (any MessagePack int: i64 or u64), a
+bool (an int to vLLM), a float or a list of these. A str or a nil inside a list is refused, as vLLM
+refuses it; a nil ``data`` (vLLM's "cached in EngineCore" element) is refused too: an inline item
+must carry its data. The encoder writes only what the Rust gateway's ``NestedTensorValue`` can
+also read (no bool, ints within i64).
 """
 from __future__ import annotations
 
@@ -43,8 +48,9 @@ from .limits import DEFAULT_LIMITS, Limits
 
 EXT_RAW_VIEW = 3
 _I64 = (-(1 << 63), (1 << 63) - 1)  # the gateway's NestedTensorValue::Int(i64)
+_MSGPACK_INT = (-(1 << 63), (1 << 64) - 1)  # every int MessagePack (and so vLLM's msgspec) can carry
 
-__all__ = ["preflight", "decode_kwargs_item", "encode_kwargs_item", "DecodedKwargs", "EXT_RAW_VIEW"]
+__all__ = ["preflight", "decode_kwargs_item", "encode_kwargs_item", "map_tensors", "DecodedKwargs", "EXT_RAW_VIEW"]
 
 # Fixed-size payloads after a marker byte: marker -> bytes to skip.
 _FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,
@@ -169,8 +175,8 @@ class DecodedKwargs:
     """One decoded kwargs item, keys in wire order.
 
     ``values[key]`` is every field's data: a tensor as the tuple ``(dtype, shape, bytes-like)`` (the
-    identity module's form), an int, a float or a (nested) list of these. ``tensors`` holds the keys
-    whose data is one tensor (what the shared-memory transport carries); ``fields[key]`` is the
+    identity module's form), an int, a bool, a float or a (nested) list of these. ``tensors`` holds
+    the keys whose data is one tensor (what a typed ``Kwarg`` can carry); ``fields[key]`` is the
     ``FieldConfig``; ``raw`` is the exact MessagePack bytes."""
 
     __slots__ = ("tensors", "fields", "raw", "values")
@@ -188,13 +194,8 @@ class DecodedKwargs:
 
     @property
     def non_tensor_keys(self) -> list[str]:
+        """Keys whose data is an int, a bool, a float or a list: only kwargs_msgpack carries them."""
         return [k for k in self.values if k not in self.tensors]
-
-    def require_tensors(self, where: str = "item") -> None:
-        """For tensor-only consumers: refuse (never silently drop) int/float/list fields."""
-        if self.non_tensor_keys:
-            raise _bad(f"{where}: field {self.non_tensor_keys[0]!r} carries int, float or list data; "
-                       f"only single-tensor fields are carried here")
 
 
 def _leaves(value: Any) -> Iterator[tuple[Any, ...]]:
@@ -203,6 +204,16 @@ def _leaves(value: Any) -> Iterator[tuple[Any, ...]]:
     elif isinstance(value, list):
         for v in value:
             yield from _leaves(v)
+
+
+def map_tensors(value: Any, convert: Callable[[_RawTensor], Any]) -> Any:
+    """A decoded value with every tensor ``(dtype, shape, bytes)`` replaced by ``convert(tensor)``;
+    lists stay lists and numbers stay as they are (what vLLM's reader hands the model)."""
+    if isinstance(value, tuple):
+        return convert(value)
+    if isinstance(value, list):
+        return [map_tensors(v, convert) for v in value]
+    return value
 
 
 def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwargs:
@@ -243,16 +254,16 @@ def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwar
 
 def _value(key: str, data: Any, limits: Limits) -> Any:
     """vLLM's NestedTensors rule (``_decode_nested_tensors``): a list whose first element is a str
-    is a tensor, any other list is a list of values; ints and floats stand for themselves."""
+    is a tensor, any other list is a list of values; ints, bools and floats stand for themselves."""
     if isinstance(data, list):
         if data and isinstance(data[0], str):
             return _tensor(key, data, limits)
         return [_value(key, v, limits) for v in data]
-    if isinstance(data, bool) or data is None:
-        raise _bad(f"field {key!r}: {data!r} is not a tensor, int, float or list")
-    if isinstance(data, int):
-        if not _I64[0] <= data <= _I64[1]:
-            raise _bad(f"field {key!r}: int data {data} is outside int64")
+    if data is None:  # vLLM refuses a nil inside a list (TypeError); a nil data is handled above
+        raise _bad(f"field {key!r}: nil is not a tensor, int, float or list")
+    if isinstance(data, int):  # bool included: vLLM's reader takes it as an int and keeps it
+        if not _MSGPACK_INT[0] <= data <= _MSGPACK_INT[1]:
+            raise _bad(f"field {key!r}: int data {data} is outside MessagePack's int64/uint64")
         return data
     if isinstance(data, float):
         return data

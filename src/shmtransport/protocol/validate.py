@@ -153,6 +153,9 @@ class CheckedTensor:
 
 @dataclasses.dataclass
 class CheckedItem:
+    """One validated item. ``tensors`` are its single-tensor kwargs; an item sent as kwargs
+    MessagePack also has ``msgpack``, whose ``values`` hold every key (non-tensor data included)."""
+
     index: int
     placeholder: PlaceholderRange
     tensors: dict[str, CheckedTensor]
@@ -282,10 +285,11 @@ def validate_request(req: fpb.MultimodalRequest, limits: Limits = DEFAULT_LIMITS
                     raise limit_exceeded("max_inline_bytes", inline_bytes, limits.max_inline_bytes,
                                          f"batches[{b}].items[{i}].kwargs_msgpack")
                 decoded = decode_kwargs_item(it.kwargs_msgpack, limits)
-                decoded.require_tensors(where)  # the worker hands the model tensors only
                 for key, (dtype, shape, data) in decoded.tensors.items():
                     tensors[key] = CheckedTensor(dtype, shape, memoryview(data).nbytes, "msgpack", data)
                 fields = dict(decoded.fields)
+                for key in decoded.non_tensor_keys:  # rank 0: vLLM takes such data along dim 0 only
+                    occurrences.setdefault((modality, key), []).append((fields[key], 0))
             elif it.kwargs:
                 if len(it.kwargs) > limits.max_fields:
                     raise InvalidArgument(f"{where}: more than {limits.max_fields} kwargs")

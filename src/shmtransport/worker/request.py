@@ -28,10 +28,11 @@ import numpy.typing as npt
 from ..client import Consumer, Lease
 from ..embedmask import PlaceholderRange
 from ..errors import IdentityMismatch, InvalidArgument
-from ..identity import combine, identity_scheme, tensor_digest
+from ..identity import combine, identity_scheme, item_identity, tensor_digest
 from ..protocol import routing
 from ..protocol.items import FieldConfig
 from ..protocol.limits import DEFAULT_LIMITS, Limits
+from ..protocol.msgpack_kwargs import map_tensors
 from ..protocol.validate import CheckedBatch, CheckedItem, CheckedRequest, validate_request
 from ..tensors import DTYPES, to_torch
 from ..v1 import features_pb2 as fpb
@@ -151,6 +152,12 @@ def open_request(consumer: Consumer | None, request: fpb.MultimodalRequest, *, v
 _LeaseKey = tuple[str, int, str]  # (modality, item index, kwargs key)
 
 
+def _inline_tensor(tensor: tuple[str, tuple[int, ...], Any]) -> torch.Tensor:
+    """A decoded ``(dtype, shape, bytes)`` as a torch tensor over those bytes (vLLM's reader's form)."""
+    dtype, shape, data = tensor
+    return to_torch(np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape), dtype)
+
+
 def _fill(out: EngineInputs, checked: CheckedRequest, lease_of: dict[_LeaseKey, Lease], verify: str, mode: str,
           unified_vision: bool, copy_on_write: bool) -> None:
     for batch in checked.batches:
@@ -181,6 +188,8 @@ def _fill_item(out: EngineInputs, batch: CheckedBatch, it: CheckedItem, lease_of
             if it.msgpack is None:  # validate_request refuses such an item already
                 raise InvalidArgument(f"{where}: the {batch.scheme} identity needs kwargs_msgpack (inline)")
             identity = msgpack_identity(modality, it.msgpack.raw)
+        elif it.msgpack is not None:  # every value, non-tensor data included, as the frontend computes it
+            identity = item_identity(modality, it.msgpack.values, batch.scheme)
         else:
             entries: list[tuple[str, str, tuple[int, ...], int, bytes]] = []
             for key, t in it.tensors.items():
@@ -194,9 +203,13 @@ def _fill_item(out: EngineInputs, batch: CheckedBatch, it: CheckedItem, lease_of
             raise IdentityMismatch(f"{where}: payload identity {identity} != mm_hash {it.mm_hash}")
     if it.routing_marker is not None and identity:
         routing.check_marker_matches(it.routing_marker, identity, where)
-    out.mm_kwargs.setdefault(modality, []).append({
+    kwargs: dict[str, Any] = {
         k: lease_of[(modality, it.index, k)].tensor() if copy_on_write and it.tensors[k].kind == "shm"
-        else to_torch(a, it.tensors[k].dtype) for k, a in arrays.items()})
+        else to_torch(a, it.tensors[k].dtype) for k, a in arrays.items()}
+    if it.msgpack is not None and it.msgpack.non_tensor_keys:  # vLLM's non-tensor data, in the item's key order
+        kwargs = {k: kwargs[k] if k in kwargs else map_tensors(v, _inline_tensor)
+                  for k, v in it.msgpack.values.items()}
+    out.mm_kwargs.setdefault(modality, []).append(kwargs)
     out.mm_fields.setdefault(modality, []).append(dict(it.fields))
     out.mm_hashes.setdefault(modality, []).append(it.mm_hash or identity)
     out.mm_identifiers.setdefault(modality, []).append(it.cache_identifier)
