@@ -767,21 +767,31 @@ int32_t shmt_mask_pack(const uint8_t *bools, uint64_t nbits, uint8_t *out, uint6
 #define SHMT_HANDOFF SHMT_BIT(SHMT_HOLDER_HANDOFF)
 
 _Static_assert(sizeof(shmt_slot) == SHMT_SLOT_NBYTES, "a slot is one cache line");
+_Static_assert(sizeof(shmt_hold) == SHMT_SLOT_NBYTES, "a holders word has its cache line");
+
+static int shmt_aligned(const uint8_t *p) { return p && ((uintptr_t)p % SHMT_SLOT_NBYTES) == 0; }
 
 static shmt_slot *shmt_slot_at(uint8_t *table, uint64_t nslots, uint64_t index)
 {
-    if (!table || index >= nslots || ((uintptr_t)table % SHMT_SLOT_NBYTES) != 0) return NULL;
+    if (!shmt_aligned(table) || index >= nslots) return NULL;
     return (shmt_slot *)(table + index * SHMT_SLOT_NBYTES);
+}
+
+static uint64_t *shmt_holders_at(uint8_t *holds, uint64_t nslots, uint64_t index)
+{
+    if (!shmt_aligned(holds) || index >= nslots) return NULL;
+    return &((shmt_hold *)(holds + index * SHMT_SLOT_NBYTES))->holders;
 }
 
 static uint64_t shmt_load(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
-int32_t shmt_slot_publish(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t offset,
+int32_t shmt_slot_publish(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t offset,
                           uint64_t nbytes, uint32_t bit, uint64_t *generation)
 {
     shmt_slot *slot = shmt_slot_at(table, nslots, index);
-    if (!slot || !generation || bit >= SHMT_SESSION_BITS || nbytes == 0) return SHMT_EINVAL;
-    if (shmt_load(&slot->holders) != 0) return SHMT_SLOT_ALREADY;
+    uint64_t *holders = shmt_holders_at(holds, nslots, index);
+    if (!slot || !holders || !generation || bit >= SHMT_SESSION_BITS || nbytes == 0) return SHMT_EINVAL;
+    if (shmt_load(holders) != 0) return SHMT_SLOT_ALREADY;
     uint64_t gen = __atomic_load_n(&slot->generation, __ATOMIC_RELAXED) + 1;
     /* The fields are written before the object becomes live (holders != 0): an acquirer that
      * sees our bit and then this generation also sees this offset, size and state. */
@@ -792,42 +802,43 @@ int32_t shmt_slot_publish(uint8_t *table, uint64_t nslots, uint64_t index, uint6
     __atomic_store_n(&slot->deadline_ns, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&slot->owner, bit, __ATOMIC_RELAXED);
     uint64_t expected = 0;
-    if (!__atomic_compare_exchange_n(&slot->holders, &expected, SHMT_BIT(bit), 0, __ATOMIC_SEQ_CST,
-                                     __ATOMIC_SEQ_CST))
+    if (!__atomic_compare_exchange_n(holders, &expected, SHMT_BIT(bit), 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
         return SHMT_SLOT_ALREADY; /* only a corrupted table gets here: holders == 0 is terminal */
     *generation = gen;
     return SHMT_SLOT_OK;
 }
 
-int32_t shmt_slot_commit(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+int32_t shmt_slot_commit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                          uint32_t bit, uint64_t deadline_ns, int32_t hold)
 {
     shmt_slot *slot = shmt_slot_at(table, nslots, index);
-    if (!slot || bit >= SHMT_SESSION_BITS) return SHMT_EINVAL;
-    if (!(shmt_load(&slot->holders) & SHMT_BIT(bit)) || shmt_load(&slot->generation) != generation)
+    uint64_t *holders = shmt_holders_at(holds, nslots, index);
+    if (!slot || !holders || bit >= SHMT_SESSION_BITS) return SHMT_EINVAL;
+    if (!(shmt_load(holders) & SHMT_BIT(bit)) || shmt_load(&slot->generation) != generation)
         return SHMT_SLOT_NOT_HELD;
     if (__atomic_load_n(&slot->state, __ATOMIC_RELAXED) != SHMT_SLOT_LOANED) return SHMT_SLOT_ALREADY;
     __atomic_store_n(&slot->deadline_ns, deadline_ns, __ATOMIC_RELAXED);
     /* Hand-off bit before the state: an acquirer that sees COMMITTED also finds the bit to drop. */
-    __atomic_fetch_or(&slot->holders, SHMT_HANDOFF, __ATOMIC_SEQ_CST);
+    __atomic_fetch_or(holders, SHMT_HANDOFF, __ATOMIC_SEQ_CST);
     __atomic_store_n(&slot->state, hold ? SHMT_SLOT_HELD : SHMT_SLOT_COMMITTED, __ATOMIC_RELEASE);
     return SHMT_SLOT_OK;
 }
 
-int32_t shmt_slot_acquire(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                           uint64_t offset, uint64_t nbytes, uint32_t bit)
 {
-    shmt_slot *slot = shmt_slot_at(table, nslots, index);
-    if (!slot || bit > SHMT_HOLDER_PROXY) return SHMT_EINVAL;
+    const shmt_slot *slot = shmt_slot_at(table, nslots, index); /* read-only to consumers */
+    uint64_t *holders = shmt_holders_at(holds, nslots, index);
+    if (!slot || !holders || bit > SHMT_HOLDER_PROXY) return SHMT_EINVAL;
     uint64_t current = shmt_load(&slot->generation);
     if (generation == 0 || generation > current) return SHMT_SLOT_UNKNOWN;
     if (current != generation) return SHMT_SLOT_STALE;
-    uint64_t held = shmt_load(&slot->holders);
+    uint64_t held = shmt_load(holders);
     do {
         if (held == 0) return SHMT_SLOT_STALE; /* dead: may already be reused */
         if (held & SHMT_BIT(bit)) return SHMT_SLOT_ALREADY;
-    } while (!__atomic_compare_exchange_n(&slot->holders, &held, held | SHMT_BIT(bit), 1,
-                                          __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    } while (!__atomic_compare_exchange_n(holders, &held, held | SHMT_BIT(bit), 1, __ATOMIC_SEQ_CST,
+                                          __ATOMIC_SEQ_CST));
     /* Our bit keeps whatever object is in the slot now alive. If that is not the one named (the
      * slot was freed and reused between the first check and the exchange), only a free was
      * delayed: take the bit back and refuse. */
@@ -841,62 +852,65 @@ int32_t shmt_slot_acquire(uint8_t *table, uint64_t nslots, uint64_t index, uint6
              __atomic_load_n(&slot->nbytes, __ATOMIC_RELAXED) != nbytes)
         status = SHMT_SLOT_MISMATCH;
     if (status != SHMT_SLOT_OK) {
-        __atomic_fetch_and(&slot->holders, ~SHMT_BIT(bit), __ATOMIC_SEQ_CST);
+        __atomic_fetch_and(holders, ~SHMT_BIT(bit), __ATOMIC_SEQ_CST);
         return status;
     }
     if (state == SHMT_SLOT_COMMITTED) /* the first acquire takes the hand-off over */
-        __atomic_fetch_and(&slot->holders, ~SHMT_HANDOFF, __ATOMIC_SEQ_CST);
+        __atomic_fetch_and(holders, ~SHMT_HANDOFF, __ATOMIC_SEQ_CST);
     return SHMT_SLOT_OK;
 }
 
-int32_t shmt_slot_release(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+int32_t shmt_slot_release(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                           uint32_t bit, int32_t cancel_handoff, uint64_t *remaining)
 {
-    shmt_slot *slot = shmt_slot_at(table, nslots, index);
-    if (!slot || !remaining || bit > SHMT_HOLDER_PROXY) return SHMT_EINVAL;
+    const shmt_slot *slot = shmt_slot_at(table, nslots, index); /* read-only to consumers */
+    uint64_t *holders = shmt_holders_at(holds, nslots, index);
+    if (!slot || !holders || !remaining || bit > SHMT_HOLDER_PROXY) return SHMT_EINVAL;
     /* While we hold the bit the slot cannot be reused, so the generation check is exact. */
-    uint64_t held = shmt_load(&slot->holders);
+    uint64_t held = shmt_load(holders);
     if (!(held & SHMT_BIT(bit)) || shmt_load(&slot->generation) != generation) return SHMT_SLOT_NOT_HELD;
     uint64_t drop = SHMT_BIT(bit) | (cancel_handoff ? SHMT_HANDOFF : 0);
-    uint64_t before = __atomic_fetch_and(&slot->holders, ~drop, __ATOMIC_SEQ_CST);
+    uint64_t before = __atomic_fetch_and(holders, ~drop, __ATOMIC_SEQ_CST);
     *remaining = before & ~drop;
     return SHMT_SLOT_OK;
 }
 
-int32_t shmt_slot_expire(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t now_ns,
+int32_t shmt_slot_expire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t now_ns,
                          int32_t *freed)
 {
-    shmt_slot *slot = shmt_slot_at(table, nslots, index);
-    if (!slot || !freed) return SHMT_EINVAL;
+    const shmt_slot *slot = shmt_slot_at(table, nslots, index);
+    uint64_t *holders = shmt_holders_at(holds, nslots, index);
+    if (!slot || !holders || !freed) return SHMT_EINVAL;
     *freed = 0;
-    uint64_t held = shmt_load(&slot->holders);
+    uint64_t held = shmt_load(holders);
     do {
         if (!(held & SHMT_HANDOFF)) return SHMT_SLOT_NOT_HELD;
         /* Read after `held`: a slot reused since has no hand-off bit until its own commit, which
          * writes its own deadline first. */
         if (__atomic_load_n(&slot->deadline_ns, __ATOMIC_ACQUIRE) > now_ns) return SHMT_SLOT_ALREADY;
-    } while (!__atomic_compare_exchange_n(&slot->holders, &held, held & ~SHMT_HANDOFF, 1,
-                                          __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    } while (!__atomic_compare_exchange_n(holders, &held, held & ~SHMT_HANDOFF, 1, __ATOMIC_SEQ_CST,
+                                          __ATOMIC_SEQ_CST));
     *freed = (held & ~SHMT_HANDOFF) == 0;
     return SHMT_SLOT_OK;
 }
 
-int32_t shmt_slots_clear_bit(uint8_t *table, uint64_t nslots, uint64_t first, uint64_t last,
+int32_t shmt_slots_clear_bit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t first, uint64_t last,
                              uint32_t bit, uint64_t *out, uint64_t out_len)
 {
-    if (!table || !out || out_len < 3 || first > last || last > nslots || bit > SHMT_HOLDER_PROXY ||
-        ((uintptr_t)table % SHMT_SLOT_NBYTES) != 0)
+    if (!shmt_aligned(table) || !shmt_aligned(holds) || !out || out_len < 3 || first > last || last > nslots ||
+        bit > SHMT_HOLDER_PROXY)
         return SHMT_EINVAL;
     uint64_t held = 0, freed = 0, freed_nbytes = 0, mask = SHMT_BIT(bit);
     for (uint64_t i = first; i < last; i++) {
-        shmt_slot *slot = (shmt_slot *)(table + i * SHMT_SLOT_NBYTES);
-        if (!(__atomic_load_n(&slot->holders, __ATOMIC_RELAXED) & mask)) continue;
-        uint64_t before = __atomic_fetch_and(&slot->holders, ~mask, __ATOMIC_SEQ_CST);
+        uint64_t *holders = &((shmt_hold *)(holds + i * SHMT_SLOT_NBYTES))->holders;
+        if (!(__atomic_load_n(holders, __ATOMIC_RELAXED) & mask)) continue;
+        uint64_t before = __atomic_fetch_and(holders, ~mask, __ATOMIC_SEQ_CST);
         if (!(before & mask)) continue;
         held++;
         if ((before & ~mask) == 0) {
             freed++;
-            freed_nbytes += __atomic_load_n(&slot->nbytes, __ATOMIC_RELAXED);
+            freed_nbytes += __atomic_load_n(&((shmt_slot *)(table + i * SHMT_SLOT_NBYTES))->nbytes,
+                                            __ATOMIC_RELAXED);
         }
     }
     out[0] = held;

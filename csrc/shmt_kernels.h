@@ -96,10 +96,13 @@ int32_t shmt_mask_window(const uint8_t *packed, uint64_t packed_nbytes, uint64_t
                          uint64_t start, uint64_t end, int64_t *out, uint64_t out_len);
 
 /*
- * Object table: the lifetime of every arena object lives in one 64-byte slot of a shared control
- * segment, so loan, commit, acquire and release touch only shared memory (docs/objects.md has the
- * invariants and the crash-window analysis). `holders` is the one word every party changes, and
- * only with atomic read-modify-writes:
+ * Object table: the lifetime of every arena object lives in shared memory, so loan, commit,
+ * acquire and release touch only that (docs/objects.md has the invariants and the crash-window
+ * analysis). Two segments of `nslots` 64-byte records each, indexed alike:
+ *   - the slots (`table`, shmt_slot): what each object is. Written by the producers and the
+ *     daemon only; consumers map them read-only, so a consumer can never change what anyone reads.
+ *   - the holds (`holds`, shmt_hold): each slot's `holders` word on a cache line of its own, the
+ *     one word every party changes, and only with atomic read-modify-writes:
  *   bits 0..61  one per session of the tenant (the daemon hands each live session one bit);
  *   bit 62      held by the daemon on behalf of clients without a bit (RPC path, remote tier);
  *   bit 63      the hand-off hold: set at commit, dropped by the first acquire (or when the
@@ -126,7 +129,11 @@ int32_t shmt_mask_window(const uint8_t *packed, uint64_t packed_nbytes, uint64_t
 #define SHMT_SLOT_UNKNOWN 6       /* a generation this slot never had: a forged or corrupt handle */
 
 typedef struct {
-    uint64_t holders;     /* atomic; see above */
+    uint64_t holders; /* atomic; see above */
+    uint64_t unused[7];
+} shmt_hold;
+
+typedef struct {
     uint64_t generation;  /* of the object now in the slot; grows by one per reuse, never reset */
     uint64_t offset;      /* arena byte offset */
     uint64_t nbytes;
@@ -134,6 +141,7 @@ typedef struct {
     uint64_t deadline_ns; /* CLOCK_MONOTONIC end of the hand-off window (or of the hold) */
     uint64_t owner;       /* session bit of the producer that loaned it */
     uint64_t grant_state; /* in a grant's first slot: that grant's state word (below) */
+    uint64_t unused;
 } shmt_slot;
 
 /* A grant's state word, (grant id << 2) | SHMT_GRANT_*: the producer parks an empty grant it
@@ -145,25 +153,25 @@ typedef struct {
 #define SHMT_GRANT_TAKEN 2
 
 /* Put a new object in a free slot (holders == 0): generation = old + 1, held by `bit`. */
-int32_t shmt_slot_publish(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t offset,
+int32_t shmt_slot_publish(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t offset,
                           uint64_t nbytes, uint32_t bit, uint64_t *generation);
 /* Seal a loan held by `bit`: state = COMMITTED (HELD when `hold`), hand-off bit set. */
-int32_t shmt_slot_commit(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+int32_t shmt_slot_commit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                          uint32_t bit, uint64_t deadline_ns, int32_t hold);
 /* Add `bit` to a live committed object of this generation, offset and size; then drop the
  * hand-off bit unless the object is HELD. */
-int32_t shmt_slot_acquire(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                           uint64_t offset, uint64_t nbytes, uint32_t bit);
 /* Drop `bit` (and the hand-off bit too when `cancel_handoff`); *remaining = holders after. */
-int32_t shmt_slot_release(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t generation,
+int32_t shmt_slot_release(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                           uint32_t bit, int32_t cancel_handoff, uint64_t *remaining);
 /* Daemon: drop the hand-off bit of an object whose window ended before now_ns; *freed = 1 when
  * that left nobody holding it. */
-int32_t shmt_slot_expire(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t now_ns,
+int32_t shmt_slot_expire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t now_ns,
                          int32_t *freed);
 /* Daemon, for a session that ended: drop `bit` from slots [first, last); out[0] = slots it held,
  * out[1] = objects that left alive with nobody, out[2] = their bytes. */
-int32_t shmt_slots_clear_bit(uint8_t *table, uint64_t nslots, uint64_t first, uint64_t last,
+int32_t shmt_slots_clear_bit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t first, uint64_t last,
                              uint32_t bit, uint64_t *out, uint64_t out_len);
 /* Compare-and-swap slot `index`'s grant state word: SHMT_SLOT_OK when it was `expected` (now
  * `desired`), SHMT_SLOT_ALREADY when it was something else (*observed = what it was). */

@@ -45,8 +45,8 @@ def has_table(object_slots: int | None) -> bool:
 
 
 def segment_kinds(object_slots: int | None) -> list[str]:
-    """The segments a one-tenant daemon keeps: its arena, and its object table's control segment."""
-    return ["arena", "objects"] if has_table(object_slots) else ["arena"]
+    """The segments a one-tenant daemon keeps: its arena, and its object table's slots and holds."""
+    return ["arena", "holds", "objects"] if has_table(object_slots) else ["arena"]
 
 
 def kinds_of(names: list[str]) -> list[str]:
@@ -193,7 +193,9 @@ def test_in_process_daemon_files_are_owner_only_whatever_the_umask(make_daemon):
         os.umask(old)
     assert kinds_of(daemon.segment_names) == segment_kinds(None)
     segment_paths = [daemon.tenants[0].segment.open_path]
-    segment_paths += [daemon.tenants[0].objects.segment.open_path] if daemon.tenants[0].objects else []
+    if daemon.tenants[0].objects is not None:
+        segment_paths += [daemon.tenants[0].objects.slots_segment.open_path,
+                          daemon.tenants[0].objects.holds_segment.open_path]
     for path in (daemon.socket_path, daemon.socket_path + ".session", *segment_paths):
         mode = stat.S_IMODE(os.stat(path).st_mode)
         assert mode == 0o600, f"{path}: {oct(mode)}"

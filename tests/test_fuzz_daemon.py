@@ -120,8 +120,9 @@ def check_answer(daemon, method: str, payload: bytes, code, details: tuple[str, 
         for h in request.handles:
             if h.slot:  # held with the daemon's proxy bit: the slot holds exactly this object
                 slot = registry.objects.table.columns[h.slot - 1].copy()  # no view of the mapping left behind
+                holders = int(registry.objects.table.holders[h.slot - 1])
                 assert (slot["generation"], slot["offset"], slot["nbytes"]) == (h.generation, h.offset, h.nbytes), h
-                assert slot["state"] in (COMMITTED, HELD) and slot["holders"] != 0
+                assert slot["state"] in (COMMITTED, HELD) and holders != 0
                 assert h.name == daemon.segment_names[0] and h.offset + h.nbytes <= ARENA
                 continue
             obj = arena_objects(daemon).get(h.offset)
@@ -169,10 +170,11 @@ def assert_untouched(daemon, loan: pb.Handle, committed: pb.Handle, owner_bit: i
     producer reference (in the RPC registry, or its bit in the object table)."""
     if loan.slot:
         table = daemon.registry.objects.table.columns.copy()  # no view of the mapping left behind
+        holders = daemon.registry.objects.table.holders.copy()
         for h in (loan, committed):
             slot = table[h.slot - 1]
             assert slot["generation"] == h.generation, f"victim's object in slot {h.slot} was freed"
-            assert int(slot["holders"]) >> owner_bit & 1, f"victim's reference in slot {h.slot} was released"
+            assert int(holders[h.slot - 1]) >> owner_bit & 1, f"victim's reference in slot {h.slot} was released"
         assert table[loan.slot - 1]["state"] == LOANED, "victim's loan was committed by someone else"
         return
     objs = arena_objects(daemon)

@@ -141,8 +141,10 @@ def test_many_tiny_objects_get_denser_grants_instead_of_filling_the_arena_with_e
 
 # -- the grant word itself ------------------------------------------------------------------------
 def _table(nslots: int = 64) -> tuple[mmap.mmap, ObjectTable]:
-    memory = mmap.mmap(-1, objtable.table_nbytes(nslots))
-    return memory, ObjectTable(memoryview(memory), nslots)
+    """One anonymous mapping holding the slots, then the holds."""
+    nbytes = objtable.table_nbytes(nslots)
+    memory = mmap.mmap(-1, 2 * nbytes)
+    return memory, ObjectTable(memoryview(memory)[:nbytes], memoryview(memory)[nbytes:], nslots)
 
 
 def test_a_stale_grant_word_never_matches_a_later_grant_of_the_same_slots():

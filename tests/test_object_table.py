@@ -8,6 +8,7 @@ checked through the daemon by tests/test_handoff.py.)
 from __future__ import annotations
 
 import mmap
+import os
 
 import pytest
 from hypothesis import settings
@@ -27,8 +28,10 @@ SLOT = st.integers(0, NSLOTS - 1)
 
 
 def _table(nslots: int = NSLOTS) -> tuple[mmap.mmap, ObjectTable]:
-    memory = mmap.mmap(-1, objtable.table_nbytes(nslots))
-    return memory, ObjectTable(memoryview(memory), nslots)
+    """One anonymous mapping holding the slots, then the holds."""
+    nbytes = objtable.table_nbytes(nslots)
+    memory = mmap.mmap(-1, 2 * nbytes)
+    return memory, ObjectTable(memoryview(memory)[:nbytes], memoryview(memory)[nbytes:], nslots)
 
 
 class Slot:
@@ -148,7 +151,7 @@ class SlotMachine(RuleBasedStateMachine):
     @invariant()
     def words_match_the_model(self):
         for index, m in enumerate(self.model):
-            assert self.table.holders(index) == m.word, index
+            assert int(self.table.holders[index]) == m.word, index
             assert int(self.table.columns["generation"][index]) == m.generation
 
 
@@ -186,11 +189,56 @@ def test_a_stale_acquire_never_keeps_a_bit_on_the_reused_slot():
         assert table.release(0, old, 0, cancel_handoff=True) == 0
         new = table.publish(0, 128, 64, 1)
         table.commit(0, new, 1, 10**18)
-        before = table.holders(0)
+        before = int(table.holders[0])
         assert table.acquire(0, old, 0, 64, 2) is SlotStatus.STALE
-        assert table.holders(0) == before
+        assert int(table.holders[0]) == before
         with pytest.raises(HandleError):
             objtable.raise_for(SlotStatus.STALE, 0)
     finally:
         table.close()
         memory.close()
+
+
+def test_the_table_layout_is_the_c_headers():
+    """``SLOT_DTYPE`` and ``HOLD_DTYPE`` are declared in Python for numpy and in the header for the
+    kernels: every field at the same offset, every record the same size."""
+    from shmtransport._native import ffi
+
+    for ctype, dtype in (("shmt_slot", objtable.SLOT_DTYPE), ("shmt_hold", objtable.HOLD_DTYPE)):
+        assert ffi.sizeof(ctype) == dtype.itemsize == objtable.SLOT_NBYTES
+        for name in dtype.names:
+            assert ffi.offsetof(ctype, name) == dtype.fields[name][1], (ctype, name)
+    assert [n for n in objtable.SLOT_DTYPE.names if n != "unused"] == [
+        "generation", "offset", "nbytes", "state", "deadline_ns", "owner", "grant_state"]
+
+
+def test_a_consumer_acquires_and_releases_through_read_only_slots_and_cannot_change_them():
+    """A consumer maps the slots PROT_READ (a write there would kill it, not corrupt anyone):
+    acquire and release touch only the holds; every kernel that writes a slot is refused."""
+    nbytes = objtable.table_nbytes(NSLOTS)
+    slots_fd = os.memfd_create("slots", os.MFD_CLOEXEC)
+    os.ftruncate(slots_fd, nbytes)
+    slots_rw = mmap.mmap(slots_fd, nbytes)
+    slots_ro = mmap.mmap(slots_fd, nbytes, prot=mmap.PROT_READ)
+    holds = mmap.mmap(-1, nbytes)
+    producer = ObjectTable(memoryview(slots_rw), memoryview(holds), NSLOTS)
+    consumer = ObjectTable(memoryview(slots_ro), memoryview(holds), NSLOTS)
+    try:
+        assert producer.writable and not consumer.writable
+        generation = producer.publish(1, 4096, 64, 0)
+        producer.commit(1, generation, 0, 10**18)
+        assert consumer.acquire(1, generation, 4096, 64, 1) is SlotStatus.OK
+        assert int(consumer.holders[1]) == 0b11 and int(consumer.columns["generation"][1]) == generation
+        assert consumer.release(1, generation, 1) == 0b1
+        for attempt in (lambda: consumer.publish(2, 0, 64, 1), lambda: consumer.commit(1, generation, 1, 0),
+                        lambda: consumer.grant_cas(0, 0, 1)):
+            with pytest.raises(StateError, match="read-only"):
+                attempt()
+        with pytest.raises(ValueError):
+            consumer.columns["generation"][1] = 0  # numpy sees the read-only mapping too
+    finally:
+        producer.close()
+        consumer.close()
+        for mapping in (slots_rw, slots_ro, holds):
+            mapping.close()
+        os.close(slots_fd)

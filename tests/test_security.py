@@ -131,7 +131,8 @@ def test_a_socket_group_daemon_lets_the_group_reach_the_handshake_but_the_uid_al
 
 def test_segment_files_and_sockets_are_0600_and_owned_by_the_daemon_user(daemon):
     paths = [tenant.segment.open_path for tenant in daemon.tenants]
-    paths += [tenant.objects.segment.open_path for tenant in daemon.tenants if tenant.objects is not None]
+    paths += [s.open_path for t in daemon.tenants if t.objects is not None
+              for s in (t.objects.slots_segment, t.objects.holds_segment)]
     for path in paths:  # sealed memfds, reached through the daemon's fds
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)

@@ -201,7 +201,7 @@ def test_no_fd_a_client_is_handed_can_resize_the_segments_the_daemon_and_others_
         out = child.recv(timeout_s=60)
         child.send("exit")
     kinds = {key.split(":")[1] for key in out if key.count(":") == 2}
-    assert kinds == ({"arena", "objects"} if objtable.available() else {"arena"}), out
+    assert kinds == ({"arena", "objects", "holds"} if objtable.available() else {"arena"}), out
     assert set(out.values()) == {"refused", True}, out
     # The daemon reclaims the attacker's sessions from its table, and serves everyone on.
     wait_until(lambda: not (s := daemon.stat(daemon.tenants[1])).clients and s.live_objects == 0, timeout_s=10,
@@ -212,6 +212,58 @@ def test_no_fd_a_client_is_handed_can_resize_the_segments_the_daemon_and_others_
         with consumer.acquire(handle) as lease:
             lease.verify()
         producer.release(handle, wait=True)
+
+
+def _rewrite_slots_as_a_consumer(conn, socket_path: str, grant_slot: int, free_slot: int) -> None:
+    """As uid 65534, a read-only consumer of its tenant: try to write the object table's slots (a
+    busy producer's grant word to PARKED, a free slot's generation back) through every route its
+    handshake opened: the fd, a writable mapping of it, the fd reopened for writing."""
+    import mmap
+
+    from shmtransport.objtable import GRANT_PARKED, SLOT_DTYPE, SLOT_NBYTES
+
+    _become_nobody()
+    kept = _keep_handed_fds()
+    out = {}
+    with Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as consumer:
+        slots = [fd for name, fd in kept if name.endswith("-objects")]
+        out["slots_fds"] = len(slots)
+        (fd,) = slots
+        table = consumer._conn.table
+        out["table_read_only"] = table is not None and not table.writable
+        grant = grant_slot * SLOT_NBYTES + SLOT_DTYPE.fields["grant_state"][1]
+        generation = free_slot * SLOT_NBYTES + SLOT_DTYPE.fields["generation"][1]
+        attacks = {
+            "pwrite_grant": lambda: os.pwrite(fd, (GRANT_PARKED).to_bytes(8, "little"), grant),
+            "pwrite_generation": lambda: os.pwrite(fd, (0).to_bytes(8, "little"), generation),
+            "map_writable": lambda: mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+            "reopen": lambda: os.open(f"/proc/self/fd/{fd}", os.O_RDWR),
+            "numpy": lambda: table.columns["generation"].__setitem__(free_slot, 0),
+        }
+        for what, attack in attacks.items():
+            try:
+                attack()
+                out[what] = "DONE"
+            except (OSError, ValueError):
+                out[what] = "refused"
+    conn.send(out)
+    conn.recv()
+
+
+@needs_root
+def test_a_read_only_consumer_cannot_change_what_anyone_reads(make_daemon):
+    """It once could park a busy producer's grant (the daemon then gave its bytes to another
+    producer) or rewind a free slot's generation (a stale handle then acquired a newer object)."""
+    if not objtable.available():
+        pytest.skip("the object table is the C kernels'")
+    daemon = make_daemon(allowed_uids=(0, NOBODY))
+    _open_to_nobody(daemon)
+    with BlockingChild(_rewrite_slots_as_a_consumer, daemon.socket_path, 0, 5) as child:
+        out = child.recv(timeout_s=60)
+        child.send("exit")
+    assert out == {"slots_fds": 1, "table_read_only": True, "pwrite_grant": "refused",
+                   "pwrite_generation": "refused", "map_writable": "refused", "reopen": "refused",
+                   "numpy": "refused"}, out
 
 
 # -- tenants ------------------------------------------------------------------------------------------
@@ -281,7 +333,9 @@ def test_a_second_uid_is_its_own_tenant_and_cannot_read_acquire_or_see_the_other
         # Under the C backend the secret lives in root's object table: a segment of its own, like the arena.
         assert bool(secret.shm.slot) == objtable.available()
         root = daemon.tenants[0]  # sealed memfds: reachable only through the daemon's fds
-        root_segments = [root.segment.open_path] + ([root.objects.segment.open_path] if root.objects else [])
+        root_segments = [root.segment.open_path]
+        if root.objects is not None:
+            root_segments += [root.objects.slots_segment.open_path, root.objects.holds_segment.open_path]
         with BlockingChild(_tenant_nobody, daemon.socket_path, secret.to_bytes(), root_segments) as child:
             out = child.recv()
             child.send("exit")
@@ -750,8 +804,9 @@ def _forge_holds(conn, socket_path: str) -> None:
     with Producer(socket_path, timeout_s=TIMEOUT_S) as producer:
         stray, proxy, far = producer.put_many([np.ones(4096, np.uint8)] * 3)
         cols = producer._conn.table.columns
-        cols["holders"][stray.shm.slot - 1] |= np.uint64(1 << 40)
-        cols["holders"][proxy.shm.slot - 1] |= np.uint64(1 << PROXY_BIT)
+        holders = producer._conn.table.holders
+        holders[stray.shm.slot - 1] |= np.uint64(1 << 40)
+        holders[proxy.shm.slot - 1] |= np.uint64(1 << PROXY_BIT)
         cols["deadline_ns"][far.shm.slot - 1] = np.uint64(time.monotonic_ns() + 3600 * 10**9)
     conn.send("forged")
     conn.recv()

@@ -615,7 +615,7 @@ class Chaos:
         if segs:
             self._fail(f"/dev/shm holds {segs} for prefix {self.prefix} (expected nothing: arenas are memfds)")
         kinds = self.daemon.sealed_segment_kinds()
-        if kinds not in (["arena"], ["arena", "objects"]):
+        if kinds not in (["arena"], ["arena", "holds", "objects"]):
             self._fail(f"the live daemon holds the memfds {kinds} (expected its arena and object table)")
         # resource baseline of this daemon instance, taken once it is warm
         if self.instance_iterations == 5 and self.baseline is None:

@@ -1,10 +1,13 @@
-"""The object table: the lifetime of each arena object in one 64-byte slot of shared memory.
+"""The object table: the lifetime of each arena object in shared memory, in two segments.
 
-Every party that maps a tenant's control segment changes an object's ``holders`` word only with
-atomic read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is a
-publish into a free slot, commit sets the hand-off bit, acquire ORs in the caller's session bit,
-release clears it. No syscall, no daemon. ``docs/objects.md`` states the invariants and what a
-death between any two steps leaves behind.
+The **slots** (64 bytes each) say what an object is: generation, offset, size, state, hand-off
+deadline, owner, and a grant's state word. Producers and the daemon write them; consumers map
+them read-only, so a consumer cannot change what anyone reads. The **holds** give each slot one
+``holders`` word on a cache line of its own, the word every party changes, only with atomic
+read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is a publish
+into a free slot, commit sets the hand-off bit, acquire ORs in the caller's session bit, release
+clears it. No syscall, no daemon. ``docs/objects.md`` states the invariants and what a death
+between any two steps leaves behind.
 
 Pure Python has no atomic read-modify-write on shared memory, so the table exists only where the
 C kernels do; without them (``available() is False``) a client reaches the same objects through
@@ -34,12 +37,14 @@ def grant_word(grant_id: int, state: int) -> int:
     """A grant's state word: tagged with its id, so a stale word never matches a later grant."""
     return grant_id << 2 | state
 
-# The slot's fields, as the numpy view of ``columns`` names them (little-endian u64 each).
+# A slot's fields, as the numpy view of ``columns`` names them (little-endian u64 each), and a
+# hold record's; both are the C header's ``shmt_slot`` and ``shmt_hold`` (tests/test_object_table.py).
 SLOT_DTYPE = np.dtype([
-    ("holders", "<u8"), ("generation", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"),
-    ("state", "<u8"), ("deadline_ns", "<u8"), ("owner", "<u8"), ("grant_state", "<u8"),
+    ("generation", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("state", "<u8"),
+    ("deadline_ns", "<u8"), ("owner", "<u8"), ("grant_state", "<u8"), ("unused", "<u8"),
 ])
-assert SLOT_DTYPE.itemsize == SLOT_NBYTES
+HOLD_DTYPE = np.dtype([("holders", "<u8"), ("unused", "<u8", (7,))])
+assert SLOT_DTYPE.itemsize == HOLD_DTYPE.itemsize == SLOT_NBYTES
 
 
 class SlotStatus(enum.IntEnum):
@@ -58,42 +63,59 @@ def available() -> bool:
 
 
 def table_nbytes(nslots: int) -> int:
+    """The size of each of a table's two segments, the slots and the holds."""
     return nslots * SLOT_NBYTES
 
 
 class ObjectTable:
-    """A mapped control segment of ``nslots`` slots; thread-safe (every change is atomic)."""
+    """A mapped table of ``nslots`` slots; thread-safe (every change is atomic).
 
-    def __init__(self, memory: memoryview, nslots: int):
+    ``slots`` is read-only for a consumer (it can only acquire and release), writable for a
+    producer and the daemon; ``holds`` is always writable."""
+
+    def __init__(self, slots: memoryview, holds: memoryview, nslots: int):
         if not available():
             raise StateError("the object table needs the C kernels (SHMTRANSPORT_BACKEND=c)")
-        if memory.nbytes < table_nbytes(nslots) or memory.readonly:
-            raise InvalidArgument(f"an object table of {nslots} slots needs {table_nbytes(nslots)} writable bytes")
+        if slots.nbytes < table_nbytes(nslots) or holds.nbytes < table_nbytes(nslots) or holds.readonly:
+            raise InvalidArgument(f"an object table of {nslots} slots needs {table_nbytes(nslots)} bytes of "
+                                  "slots and as many writable bytes of holds")
         from ._native import ffi, lib
 
         self._ffi, self._lib = ffi, lib
         self.nslots = nslots
-        self._memory = memory
-        self._ptr = ffi.from_buffer("uint8_t[]", memory, require_writable=True)
-        self.columns: npt.NDArray[np.void] = np.frombuffer(memory, dtype=SLOT_DTYPE, count=nslots)
+        self.writable = not slots.readonly
+        self._memory = (slots, holds)
+        self._slots = ffi.from_buffer("uint8_t[]", slots)
+        self._holds = ffi.from_buffer("uint8_t[]", holds, require_writable=True)
+        self.columns: npt.NDArray[np.void] = np.frombuffer(slots, dtype=SLOT_DTYPE, count=nslots)
+        self.holders: npt.NDArray[np.uint64] = np.frombuffer(holds, dtype=HOLD_DTYPE, count=nslots)["holders"]
 
     def publish(self, index: int, offset: int, nbytes: int, bit: int) -> int:
         """A new object in free slot ``index``, held by ``bit``; its generation."""
+        self._require_writable("publish")
         out = self._ffi.new("uint64_t[1]")
-        self._ok(self._lib.shmt_slot_publish(self._ptr, self.nslots, index, offset, nbytes, bit, out), index)
+        rc = self._lib.shmt_slot_publish(self._slots, self._holds, self.nslots, index, offset, nbytes, bit, out)
+        self._ok(rc, index)
         return int(out[0])
 
     def commit(self, index: int, generation: int, bit: int, deadline_ns: int, hold: bool = False) -> None:
-        self._ok(self._lib.shmt_slot_commit(self._ptr, self.nslots, index, generation, bit, deadline_ns, hold), index)
+        """Seal the loan in slot ``index``: its hand-off window (or hold) ends at ``deadline_ns``."""
+        self._require_writable("commit")
+        rc = self._lib.shmt_slot_commit(self._slots, self._holds, self.nslots, index, generation, bit, deadline_ns,
+                                        hold)
+        self._ok(rc, index)
 
     def acquire(self, index: int, generation: int, offset: int, nbytes: int, bit: int) -> SlotStatus:
-        rc = self._lib.shmt_slot_acquire(self._ptr, self.nslots, index, generation, offset, nbytes, bit)
+        """Hold the committed object ``generation`` of slot ``index`` with ``bit``, if it is still
+        that object at that offset and size."""
+        rc = self._lib.shmt_slot_acquire(self._slots, self._holds, self.nslots, index, generation, offset, nbytes, bit)
         return SlotStatus.OK if rc == 0 else self._status(rc)
 
     def release(self, index: int, generation: int, bit: int, cancel_handoff: bool = False) -> int:
         """Drop ``bit``; the holders left (0: the object is dead, its slot and bytes reusable)."""
         out = self._ffi.new("uint64_t[1]")
-        rc = self._lib.shmt_slot_release(self._ptr, self.nslots, index, generation, bit, cancel_handoff, out)
+        rc = self._lib.shmt_slot_release(self._slots, self._holds, self.nslots, index, generation, bit,
+                                         cancel_handoff, out)
         self._ok(rc, index)
         return int(out[0])
 
@@ -101,14 +123,14 @@ class ObjectTable:
         """Drop an ended hand-off window's bit: True when that freed the object, False when others
         still hold it, None when there was nothing to expire."""
         out = self._ffi.new("int32_t[1]")
-        rc = self._status(self._lib.shmt_slot_expire(self._ptr, self.nslots, index, now_ns, out))
+        rc = self._status(self._lib.shmt_slot_expire(self._slots, self._holds, self.nslots, index, now_ns, out))
         return bool(out[0]) if rc is SlotStatus.OK else None
 
     def clear_bit(self, bit: int, first: int = 0, last: int | None = None) -> tuple[int, int, int]:
         """Drop ``bit`` from slots [first, last): (slots it held, objects that died, their bytes)."""
         out = self._ffi.new("uint64_t[3]")
         last = self.nslots if last is None else last
-        rc = self._lib.shmt_slots_clear_bit(self._ptr, self.nslots, first, last, bit, out, 3)
+        rc = self._lib.shmt_slots_clear_bit(self._slots, self._holds, self.nslots, first, last, bit, out, 3)
         if rc != 0:
             raise InvalidArgument(f"clear_bit({bit}, {first}, {last}) outside a table of {self.nslots} slots")
         return int(out[0]), int(out[1]), int(out[2])
@@ -116,8 +138,9 @@ class ObjectTable:
     def grant_cas(self, index: int, expected: int, desired: int) -> bool:
         """Swap slot ``index``'s grant state word from ``expected`` to ``desired``; whether it was
         ``expected``."""
+        self._require_writable("grant_cas")
         out = self._ffi.new("uint64_t[1]")
-        rc = self._status(self._lib.shmt_grant_cas(self._ptr, self.nslots, index, expected, desired, out))
+        rc = self._status(self._lib.shmt_grant_cas(self._slots, self.nslots, index, expected, desired, out))
         return rc is SlotStatus.OK
 
     def set_grant_word(self, index: int, word: int) -> None:
@@ -125,14 +148,17 @@ class ObjectTable:
         while not self.grant_cas(index, int(self.columns["grant_state"][index]), word):
             pass  # only a stale producer's failing CAS can interleave, and it changes nothing
 
-    def holders(self, index: int) -> int:
-        return int(self.columns["holders"][index])
-
     def close(self) -> None:
-        """Drop this table's references to the mapping (so it can be unmapped); it has no slots left."""
+        """Drop this table's references to the mappings (so they can be unmapped); it has no slots left."""
         self.columns = np.empty(0, dtype=SLOT_DTYPE)
-        self._ptr = None
-        self._memory = memoryview(b"")
+        self.holders = np.empty(0, dtype=np.uint64)
+        self._slots = self._holds = None
+        self._memory = (memoryview(b""), memoryview(bytearray()))
+
+    def _require_writable(self, what: str) -> None:
+        # A consumer's slots are mapped read-only: a write there would be a segfault, not an error.
+        if not self.writable:
+            raise StateError(f"{what}: this session maps the object table's slots read-only (a consumer)")
 
     def _status(self, rc: int) -> SlotStatus:
         if rc < 0:

@@ -1,8 +1,10 @@
 """Names in /dev/shm: every daemon segment name is built and parsed here, nowhere else.
 
-A daemon instance names its files ``{prefix}-{instance}-t{tenant}-{kind}``: ``arena``, ``objects``
-(the object table) and ``obj{generation}-{random}`` (a dedicated segment). ``instance`` is 12 hex
-digits, new at every start, so a later daemon tells a dead instance's leftovers from its own.
+A daemon instance names its segments ``{prefix}-{instance}-t{tenant}-{kind}``: ``arena``,
+``objects`` and ``holds`` (the object table's two segments; these three are memfds, their names
+seen only in ``/proc/*/fd``) and ``obj{generation}-{random}`` (a dedicated segment, a file in
+/dev/shm). ``instance`` is 12 hex digits, new at every start, so a later daemon tells a dead
+instance's leftovers from its own.
 """
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ def arena_name(base: str) -> str:
 
 def table_name(base: str) -> str:
     return f"{base}-objects"
+
+
+def holds_name(base: str) -> str:
+    """The object table's holds (``objtable``): the one segment a consumer maps writable."""
+    return f"{base}-holds"
 
 
 def dedicated_name(base: str, generation: int) -> str:

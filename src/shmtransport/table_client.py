@@ -273,7 +273,7 @@ class TableClient:
     def collect(self) -> int:
         """Take back the bytes of every placed object that died; once idle, park the empty
         grants. The bytes reclaimed."""
-        holders = self.table.columns["holders"]
+        holders = self.table.holders
         freed = 0
         for obj in list(self._released.values()):
             if holders[obj.slot] == 0:

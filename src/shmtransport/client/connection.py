@@ -54,7 +54,7 @@ class _Connection:
         # (the C kernels); ``holder_bit`` is this session's bit in it.
         self.table: objtable.ObjectTable | None = None
         self.holder_bit: int | None = None
-        self._table_mapping: arena.ArenaMapping | None = None
+        self._table_mappings: tuple[arena.ArenaMapping, ...] = ()
         self.hello = pb.SessionHello()
         self._metadata: tuple[tuple[str, str], ...] = ()
         self._checked_at = 0.0
@@ -113,7 +113,7 @@ class _Connection:
             sock.close()
             raise
         hello = reply.hello
-        if not reply.HasField("hello") or not hello.token or len(fds) not in (1, 2):
+        if not reply.HasField("hello") or not hello.token or len(fds) not in (1, 3):
             sock.close()
             for fd in fds:
                 os.close(fd)
@@ -134,7 +134,7 @@ class _Connection:
             sock.close()
             raise
         try:
-            self._attach_table(hello, fds[1] if len(fds) == 2 else None, daemon_uid)
+            self._attach_table(hello, fds[1:], daemon_uid)
         except BaseException:
             arena.detach(mapping)
             sock.close()
@@ -148,27 +148,32 @@ class _Connection:
         self.stub = pb_grpc.DaemonStub(self._channel)
         self.mapping = mapping
 
-    def _attach_table(self, hello: pb.SessionHello, fd: int | None, daemon_uid: int) -> None:
-        """Map the object table the daemon passed, when this session got a holder bit and this
-        process has the C kernels; otherwise the fd is closed and objects go through the daemon."""
-        if fd is None:
+    def _attach_table(self, hello: pb.SessionHello, fds: list[int], daemon_uid: int) -> None:
+        """Map the object table the daemon passed (its slots, read-only for a consumer, and its
+        holds), when this session got a holder bit and this process has the C kernels; otherwise
+        the fds are closed and objects go through the daemon. Takes ownership of ``fds``."""
+        info = hello.object_table
+        if not fds or not hello.HasField("object_table") or not hello.HasField("holder_bit") \
+                or not objtable.available():
+            for fd in fds:
+                os.close(fd)
             return
-        if not hello.HasField("object_table") or not hello.HasField("holder_bit") or not objtable.available():
-            os.close(fd)
-            return
+        nbytes = objtable.table_nbytes(info.nslots)
+        mappings: list[arena.ArenaMapping] = []
         try:
-            name = arena.validate_segment_name(hello.object_table.segment_name)
+            names = [arena.validate_segment_name(n) for n in (info.segment_name, info.holds_segment_name)]
+            for i, (fd, name, writable) in enumerate(zip(fds, names, (self.writable, True))):
+                fds[i] = -1  # attach_fd owns it in every outcome
+                mappings.append(arena.attach_fd(fd, name, nbytes, writable, daemon_uid))
+            self.table = objtable.ObjectTable(mappings[0].view(0, nbytes), mappings[1].view(0, nbytes), info.nslots)
         except BaseException:
-            os.close(fd)
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+            for mapping in mappings:
+                arena.detach(mapping)
             raise
-        nslots = hello.object_table.nslots
-        mapping = arena.attach_fd(fd, name, objtable.table_nbytes(nslots), True, daemon_uid)
-        try:
-            self.table = objtable.ObjectTable(mapping.view(0, objtable.table_nbytes(nslots)), nslots)
-        except BaseException:
-            arena.detach(mapping)
-            raise
-        self._table_mapping = mapping
+        self._table_mappings = tuple(mappings)
         self.holder_bit = hello.holder_bit
 
     def _authenticate(self, sock: socket.socket) -> int:
@@ -252,10 +257,11 @@ class _Connection:
             arena.detach(self.mapping)
         if self.table is not None:
             self.table.close()
-            if self._table_mapping is not None:  # set together with ``table``
-                arena.detach(self._table_mapping)
+            for mapping in self._table_mappings:  # set together with ``table``
+                arena.detach(mapping)
         self._channel = self.stub = self._session_sock = self.mapping = None
-        self.table = self._table_mapping = self.holder_bit = None
+        self.table = self.holder_bit = None
+        self._table_mappings = ()
 
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -267,7 +273,7 @@ def _read_session_reply(sock: socket.socket, limit: int = 65536) -> tuple[pb.Ses
     data, fds = b"", []
     try:
         while (payload := frame_payload(data, limit)) is None:
-            chunk, new_fds, _flags, _addr = socket.recv_fds(sock, 4096, 2)
+            chunk, new_fds, _flags, _addr = socket.recv_fds(sock, 4096, 3)
             fds.extend(new_fds)
             if not chunk:
                 return pb.SessionReply(), fds

@@ -99,16 +99,19 @@ class ProxyLease:
 
 
 class ObjectBook:
-    def __init__(self, segment: Segment, nslots: int, handoff_window_ms: int, max_hold_ms: int = 60_000):
+    def __init__(self, slots: Segment, holds: Segment, nslots: int, handoff_window_ms: int,
+                 max_hold_ms: int = 60_000):
+        """``slots`` and ``holds``: the table's two sealed segments (``objtable``), each of
+        ``table_nbytes(nslots)``."""
         if nslots <= 0 or nslots % 64:
             raise InvalidArgument(f"object slots must be a positive multiple of 64, got {nslots}")
-        self.segment = segment
+        self.slots_segment, self.holds_segment = slots, holds
         self.nslots = nslots
         self.handoff_window_ms = handoff_window_ms
         # No honest commit sets a deadline further ahead than this (plus the sweep's own slack).
         self._longest_deadline_ns = (max(handoff_window_ms, max_hold_ms) + 1000) * 1_000_000
-        self._map = segment.map()
-        self.table = ObjectTable(memoryview(self._map), nslots)
+        self._maps = (slots.map(), holds.map())
+        self.table = ObjectTable(memoryview(self._maps[0]), memoryview(self._maps[1]), nslots)
         self._slots = Allocator(nslots * SLOT_NBYTES, page_align_min_nbytes=_NEVER)
         self._free_bits = list(range(SESSION_BITS - 1, -1, -1))  # pop() hands out bit 0 first
         self._bits: dict[str, int] = {}  # session id -> its bit
@@ -141,7 +144,7 @@ class ObjectBook:
             # reference to), read before the bit is cleared: a slot the bit holds is not reused
             # meanwhile, and the session no longer changes its own bit.
             cols = self.table.columns
-            mine = (cols["holders"] & np.uint64(1 << bit)) != 0
+            mine = (self.table.holders & np.uint64(1 << bit)) != 0
             own = mine & (cols["owner"] == bit)
             loans = int((own & (cols["state"] == LOANED)).sum())
             held, _freed, freed_nbytes = self.table.clear_bit(bit)
@@ -203,7 +206,7 @@ class ObjectBook:
         orphans = [g for g in self._grants.values() if g.session_id is None]
         if not orphans:
             return 0
-        holders = self.table.columns["holders"]
+        holders = self.table.holders
         freed = 0
         for grant in orphans:
             if holders[grant.first_slot:grant.first_slot + grant.nslots].any():
@@ -265,7 +268,7 @@ class ObjectBook:
         outlives its writer: session bits no live session has, and the proxy bit on slots where the
         daemon holds no proxied lease. The objects that died of it (their bytes go back with their
         grants); a forged deadline is ``expire_handoffs``'."""
-        holders = self.table.columns["holders"].copy()  # one read: the words keep changing under us
+        holders = self.table.holders.copy()  # one read: the words keep changing under us
         if not holders.size:
             return 0
         present = int(np.bitwise_or.reduce(holders))
@@ -297,7 +300,7 @@ class ObjectBook:
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         cols = self.table.columns
         deadlines = cols["deadline_ns"].copy()
-        handoff = (cols["holders"] >> np.uint64(HANDOFF_BIT)) != 0
+        handoff = (self.table.holders >> np.uint64(HANDOFF_BIT)) != 0
         forged = deadlines > np.uint64(now_ns + self._longest_deadline_ns)
         due = np.flatnonzero(handoff & ((deadlines <= now_ns) | forged))
         died = 0
@@ -394,7 +397,7 @@ class ObjectBook:
         """Live objects in the table and their bytes, consumer leases (session bits other than
         the producer's, plus proxied leases), and objects waiting for a first acquire."""
         cols = self.table.columns
-        holders = cols["holders"].copy()  # one read: the words keep changing under us
+        holders = self.table.holders.copy()  # one read: the words keep changing under us
         live = holders != 0
         owner_bits = np.left_shift(np.uint64(1), cols["owner"][live] & np.uint64(63))
         consumer = holders[live] & np.uint64((1 << SESSION_BITS) - 1) & ~owner_bits
@@ -411,7 +414,7 @@ class ObjectBook:
         objects) and the bytes of its own objects there, loaned and committed (the daemon books
         none of these; proxied leases are in the registry's books)."""
         cols = self.table.columns
-        holders = cols["holders"].copy()  # one read: the words keep changing under us
+        holders = self.table.holders.copy()  # one read: the words keep changing under us
         live = np.flatnonzero(holders)
         if not live.size or not self._bits:
             return {session_id: SessionHoldings(0, 0, 0) for session_id in self._bits}
@@ -432,7 +435,7 @@ class ObjectBook:
         entry per session bit and per proxied lease). Age is known for committed objects: their
         deadline is the commit time plus the hand-off window."""
         cols = self.table.columns
-        holders = cols["holders"].copy()  # one read: the words keep changing under us
+        holders = self.table.holders.copy()  # one read: the words keep changing under us
         session_of = {bit: session_id for session_id, bit in self._bits.items()}
         proxied = collections.defaultdict(list)
         for lease in self._proxy_leases.values():
@@ -461,4 +464,5 @@ class ObjectBook:
 
     def close(self) -> None:
         self.table.close()
-        self._map.close()
+        for mapping in self._maps:
+            mapping.close()

@@ -344,14 +344,16 @@ class Daemon:
             base = shm_names.tenant_base(cfg.name_prefix, self.instance_id, index)
             segment = Segment.create_sealed(shm_names.arena_name(base), arena_nbytes)
             objects = None
-            if nslots:
-                table_segment = Segment.create_sealed(shm_names.table_name(base), objtable.table_nbytes(nslots))
-                try:
-                    objects = ObjectBook(table_segment, nslots, cfg.handoff_window_ms, cfg.max_hold_ms)
-                except BaseException:
-                    table_segment.unlink()
-                    segment.unlink()
-                    raise
+            created = [segment]
+            try:
+                if nslots:
+                    for name in (shm_names.table_name(base), shm_names.holds_name(base)):
+                        created.append(Segment.create_sealed(name, objtable.table_nbytes(nslots)))
+                    objects = ObjectBook(created[1], created[2], nslots, cfg.handoff_window_ms, cfg.max_hold_ms)
+            except BaseException:
+                for made in created:
+                    made.unlink()
+                raise
             slots: queue.SimpleQueue[None] = queue.SimpleQueue()
             for _ in range(wait_share):
                 slots.put(None)
@@ -382,11 +384,14 @@ class Daemon:
                                 arena_nbytes=info.nbytes, shm_namespace=info.shm_namespace, tenant=tenant.key)
         fds = [tenant.segment.open_fd(writable)]
         if tenant.objects is not None:
-            # Consumers write the table too (their holder bits); the arena stays read-only to them.
+            # Consumers write only the holds (their holder bits); the arena and the slots, which
+            # say what everyone reads, stay read-only to them.
+            objects = tenant.objects
             hello.object_table.CopyFrom(pb.ObjectTableInfo(
-                segment_name=tenant.objects.segment.name, nslots=tenant.objects.nslots,
-                handoff_window_ms=tenant.objects.handoff_window_ms, max_hold_ms=self.config.max_hold_ms))
-            fds.append(tenant.objects.segment.open_fd(True))
+                segment_name=objects.slots_segment.name, holds_segment_name=objects.holds_segment.name,
+                nslots=objects.nslots, handoff_window_ms=objects.handoff_window_ms,
+                max_hold_ms=self.config.max_hold_ms))
+            fds += [objects.slots_segment.open_fd(writable), objects.holds_segment.open_fd(True)]
         return Admission(tenant, hello, tuple(fds))
 
     def arena_info_of(self, tenant: Tenant) -> pb.ArenaInfo:
@@ -481,8 +486,9 @@ class Daemon:
             tenant.registry.unlink_dedicated()
             tenant.segment.unlink()
             if tenant.objects is not None:
-                tenant.objects.segment.unlink()
                 tenant.objects.close()
+                tenant.objects.slots_segment.unlink()
+                tenant.objects.holds_segment.unlink()
         if self._claim is not None:  # always: the claim comes first in start()
             self._claim.release()  # both sockets and the lock file; never another daemon's
 
@@ -505,7 +511,8 @@ class Daemon:
         """Every segment of this daemon: the tenants' arenas first (the default tenant's leading),
         then their object tables, then their dedicated segments."""
         names = [tenant.segment.name for tenant in self.tenants]
-        names += [tenant.objects.segment.name for tenant in self.tenants if tenant.objects is not None]
+        names += [s.name for t in self.tenants if t.objects is not None
+                  for s in (t.objects.slots_segment, t.objects.holds_segment)]
         return names + [name for tenant in self.tenants for name in tenant.registry.dedicated_names()]
 
     def __repr__(self) -> str:

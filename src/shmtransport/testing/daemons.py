@@ -116,7 +116,7 @@ def _table_holdings(daemon: "Daemon", clients: Iterable[pb.ClientStat]) -> dict[
     from ..objtable import LOANED
 
     cols = book.table.columns
-    holders = cols["holders"].copy()  # one read: the words keep changing under us
+    holders = book.table.holders.copy()  # one read: the words keep changing under us
     holdings: dict[str, tuple[int, int, int]] = {}
     for c in clients:
         bit = book.bit_of(c.session_id)

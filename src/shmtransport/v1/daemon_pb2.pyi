@@ -327,16 +327,18 @@ class SessionRequest(_message.Message):
     def __init__(self, access: _Optional[_Union[SessionAccess, str]] = ...) -> None: ...
 
 class ObjectTableInfo(_message.Message):
-    __slots__ = ("segment_name", "nslots", "handoff_window_ms", "max_hold_ms")
+    __slots__ = ("segment_name", "nslots", "handoff_window_ms", "max_hold_ms", "holds_segment_name")
     SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
     NSLOTS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
     segment_name: str
     nslots: int
     handoff_window_ms: int
     max_hold_ms: int
-    def __init__(self, segment_name: _Optional[str] = ..., nslots: _Optional[int] = ..., handoff_window_ms: _Optional[int] = ..., max_hold_ms: _Optional[int] = ...) -> None: ...
+    holds_segment_name: str
+    def __init__(self, segment_name: _Optional[str] = ..., nslots: _Optional[int] = ..., handoff_window_ms: _Optional[int] = ..., max_hold_ms: _Optional[int] = ..., holds_segment_name: _Optional[str] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("session_id", "token", "instance_id", "segment_name", "arena_nbytes", "shm_namespace", "tenant", "pid", "object_table", "holder_bit")
