@@ -89,7 +89,11 @@ def test_the_harness_reports_foreign_bytes_as_a_failure():
 ARRAY = np.arange(4096, dtype=np.float32)
 
 
-def test_a_consumer_idle_across_a_daemon_restart_acquires_handles_of_the_new_instance(make_daemon):
+def test_a_consumer_idle_across_a_daemon_restart_acquires_handles_of_the_new_instance(make_daemon, monkeypatch):
+    """However recent its last liveness check: a handle of a newer instance makes it check."""
+    from shmtransport.client.connection import _Connection
+
+    monkeypatch.setattr(_Connection, "LIVENESS_CHECK_S", 3600.0)  # the restart falls inside the window
     tmp = testing.short_tmpdir()
     path = os.path.join(tmp, "d.sock")
     try:

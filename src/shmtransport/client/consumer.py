@@ -47,6 +47,10 @@ class Consumer(_Client):
                 raise InvalidArgument(f"acquire takes Handle objects (Handle.from_bytes turns the wire form into "
                                       f"one), got {type(h).__name__}")
         self._conn.ensure_recent()  # a daemon restart is noticed before handles are compared with it
+        if any(h.shm.instance_id != self.instance_id for h in handles):
+            # A handle of another instance: maybe of a daemon that restarted since the last
+            # liveness check. Check the connection now (it reconnects if so), then compare.
+            self._conn.ensure()
         for h in handles:
             if h.shm.instance_id != self.instance_id:
                 # Checked by the daemon too; failing early avoids mapping a foreign segment.
