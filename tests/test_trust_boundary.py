@@ -426,6 +426,42 @@ def test_idle_handshakes_of_one_uid_are_bounded_and_do_not_lock_out_another_tena
 WATCH_STREAMS = 200  # more than the daemon's 64 RPC threads
 
 
+def _connect_as_nobody(conn, socket_path: str) -> None:
+    _become_nobody()
+    with Consumer(socket_path, timeout_s=60, daemon_uid=0) as consumer:
+        conn.send(consumer.stat().tenant)
+        conn.recv()
+
+
+@needs_root
+def test_one_tenants_busy_books_delay_no_other_tenants_handshake(make_daemon):
+    """Opening a session takes its tenant's books; while another tenant's are held (here: held
+    on purpose, as a long operation of that tenant would), this tenant's clients still connect."""
+    daemon = make_daemon(allowed_uids=(0, NOBODY))
+    _open_to_nobody(daemon)
+    busy = daemon.tenants[1].registry
+    entered, release = threading.Event(), threading.Event()
+    open_session = busy.open_session
+
+    def held_open_session(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        return open_session(*args, **kwargs)
+
+    busy.open_session = held_open_session
+    try:
+        with BlockingChild(_connect_as_nobody, daemon.socket_path) as child:
+            assert entered.wait(60), "the other tenant's handshake reached its books"
+            for _ in range(3):
+                with Consumer(daemon.socket_path, timeout_s=5) as consumer:
+                    assert consumer.stat().tenant == "uid:0"
+            release.set()
+            assert child.recv(timeout_s=60) == f"uid:{NOBODY}"
+            child.send("exit")
+    finally:
+        release.set()
+
+
 def _watch_flood(conn, socket_path: str) -> None:
     """As uid 65534, without a session: open health Watch streams (each answered at once, then left
     open) and keep them until told."""

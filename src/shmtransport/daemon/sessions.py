@@ -15,10 +15,14 @@ state of its gRPC calls.
 
 Nothing here blocks on a client: handshakes are read without blocking, each has a deadline, and
 their number is bounded per uid, so idle or slow connections cannot hold the accept loop or the
-daemon's fds.
+daemon's fds. Nothing here waits for a tenant either: opening and closing a session (which take
+the tenant's books) run on that tenant's own worker thread, so one tenant whose books are busy
+delays only its own sessions, never another tenant's handshake or the watch of every session.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -147,6 +151,11 @@ class SessionServer(Generic[_Tenant]):
         self._on_close = on_close
         self._tokens: dict[str, _Open[_Tenant]] = {}
         self._tokens_lock = threading.Lock()
+        # One worker per tenant (keyed by identity) for on_open / on_close, in order; sessions a
+        # worker opened come back to the selector thread through _opened (the selector is not
+        # thread-safe).
+        self._workers: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+        self._opened: collections.deque[tuple[socket.socket, _Open[_Tenant]]] = collections.deque()
         self._pending: dict[socket.socket, _Pending] = {}
         self._pending_per_uid: dict[int, int] = {}
         self._refusals = _RateLimitedLog(_log)  # logged by the session loop's thread only
@@ -176,9 +185,12 @@ class SessionServer(Generic[_Tenant]):
         os.write(self._wake_w, b"x")
         if self._thread.ident is not None:  # a failed daemon start may never have started it
             self._thread.join(timeout=5)
+        for worker in self._workers.values():  # every open and close handed to them is done
+            worker.shutdown(wait=True)
+        self._register_opened()
         for key in list(self._selector.get_map().values()):
             if isinstance(key.data, _Open):
-                self._drop(_conn(key), key.data)
+                self._drop(_conn(key), key.data, now=True)
         for conn in list(self._pending):
             self._drop_pending(conn)
         self._selector.close()
@@ -199,7 +211,10 @@ class SessionServer(Generic[_Tenant]):
                 if self._stopping:
                     break
                 try:
-                    if key.fileobj is self._listener:
+                    if key.fileobj is self._wake_r:
+                        os.read(self._wake_r, 4096)
+                        self._register_opened()
+                    elif key.fileobj is self._listener:
                         self._accept()
                     elif isinstance(key.data, _Pending):
                         self._read_handshake(_conn(key), key.data)
@@ -282,16 +297,34 @@ class SessionServer(Generic[_Tenant]):
             return
         self._open(conn, pending, admission)
 
+    def _worker_of(self, tenant: _Tenant) -> concurrent.futures.ThreadPoolExecutor:
+        worker = self._workers.get(id(tenant))
+        if worker is None:
+            worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shmt-sessions-tenant")
+            self._workers[id(tenant)] = worker
+        return worker
+
     def _open(self, conn: socket.socket, pending: _Pending, admission: Admission[_Tenant]) -> None:
-        # Registered before the reply, so the client's first RPC finds its token; undone if the
-        # client is already gone.
         opened = _Open(secrets.token_hex(8), secrets.token_hex(16), admission.tenant)
         try:
-            extra = self._on_open(opened.session_id, pending.pid, pending.uid, opened.tenant)
-        except BaseException:
+            self._worker_of(opened.tenant).submit(self._open_in_tenant, conn, pending, admission, opened)
+        except RuntimeError:  # stopping: the workers take nothing more
             for fd in admission.fds:
                 os.close(fd)
-            raise
+            self._refuse(conn, Reason.DAEMON_UNAVAILABLE, "the daemon is stopping")
+
+    def _open_in_tenant(self, conn: socket.socket, pending: _Pending, admission: Admission[_Tenant],
+                        opened: _Open[_Tenant]) -> None:
+        """On the tenant's worker. Registered before the reply, so the client's first RPC finds its
+        token; undone if the client is already gone."""
+        try:
+            extra = self._on_open(opened.session_id, pending.pid, pending.uid, opened.tenant)
+        except Exception as exc:  # a bug of ours: this client is refused, every other goes on
+            _log.exception("opening a session of pid %d failed", pending.pid)
+            for fd in admission.fds:
+                os.close(fd)
+            self._refuse(conn, Reason.INTERNAL, f"the daemon could not open a session: {exc}")
+            return
         with self._tokens_lock:
             self._tokens[opened.token] = opened
         hello = pb.SessionHello(session_id=opened.session_id, token=opened.token, pid=pending.pid)
@@ -304,12 +337,20 @@ class SessionServer(Generic[_Tenant]):
             socket.send_fds(conn, [reply], list(admission.fds))
         except OSError as exc:
             _log.info("session handshake with pid %d failed: %s", pending.pid, exc)
-            self._drop(conn, opened, registered=False)
+            conn.close()
+            self._close_session(opened)
             return
         finally:
             for fd in admission.fds:
                 os.close(fd)
-        self._selector.register(conn, selectors.EVENT_READ, opened)
+        self._opened.append((conn, opened))
+        os.write(self._wake_w, b"o")
+
+    def _register_opened(self) -> None:
+        """Watch the sessions the tenants' workers opened (selector thread, or stop())."""
+        while self._opened:
+            conn, opened = self._opened.popleft()
+            self._selector.register(conn, selectors.EVENT_READ, opened)
 
     def _refuse(self, conn: socket.socket, reason: Reason, message: str) -> None:
         reply = pb.SessionReply(refusal=pb.SessionRefusal(reason=reason.value, message=message))
@@ -341,13 +382,26 @@ class SessionServer(Generic[_Tenant]):
                           pending.pid, HANDSHAKE_TIMEOUT_S)
                 self._drop_pending(conn)
 
-    def _drop(self, conn: socket.socket, opened: _Open[_Tenant], registered: bool = True) -> None:
-        if registered:
-            try:
-                self._selector.unregister(conn)
-            except (KeyError, ValueError):
-                pass
+    def _drop(self, conn: socket.socket, opened: _Open[_Tenant], now: bool = False) -> None:
+        """The session ended: unwatched and closed here, its books closed on its tenant's worker
+        (``now``: on this thread, once the workers are shut down)."""
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
         conn.close()
+        if now:
+            self._close_session(opened)
+            return
+        try:
+            self._worker_of(opened.tenant).submit(self._close_session, opened)
+        except RuntimeError:  # the workers are shut down: stop() closes it
+            self._close_session(opened)
+
+    def _close_session(self, opened: _Open[_Tenant]) -> None:
         with self._tokens_lock:
             self._tokens.pop(opened.token, None)
-        self._on_close(opened.session_id, opened.tenant)
+        try:
+            self._on_close(opened.session_id, opened.tenant)
+        except Exception:  # logged; the other sessions' closes go on
+            _log.exception("closing session %s failed", opened.session_id)
