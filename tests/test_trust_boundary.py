@@ -462,6 +462,60 @@ def test_one_tenants_busy_books_delay_no_other_tenants_handshake(make_daemon):
         release.set()
 
 
+def _many_calls(conn, socket_path: str, threads: int) -> None:
+    """As uid 65534: ``threads`` List calls at once; reports the errors they ended with."""
+    _become_nobody()
+    errors: list[str] = []
+    with Consumer(socket_path, timeout_s=60, daemon_uid=0) as consumer:
+        def call() -> None:
+            try:
+                consumer.list_objects()
+            except ShmTransportError as exc:
+                errors.append(_error(exc))
+
+        callers = [threading.Thread(target=call) for _ in range(threads)]
+        for caller in callers:
+            caller.start()
+        conn.send("calling")
+        for caller in callers:
+            caller.join(120)
+    conn.send(errors)
+    conn.recv()
+
+
+@needs_root
+def test_one_tenants_calls_take_at_most_its_share_of_the_daemons_threads(make_daemon):
+    """Two tenants, four RPC threads: one tenant's calls, however many and however slow (held
+    here, as slow calls would be), run at most two at once; the other tenant's calls get threads,
+    and the refused ones are retried by the client until they run."""
+    daemon = make_daemon(allowed_uids=(0, NOBODY), grpc_workers=4)
+    _open_to_nobody(daemon)
+    busy = daemon.tenants[1].registry
+    running, release = threading.Semaphore(0), threading.Event()
+    list_objects = busy.list_objects
+
+    def held_list_objects(*args, **kwargs):
+        running.release()
+        release.wait(60)
+        return list_objects(*args, **kwargs)
+
+    busy.list_objects = held_list_objects
+    try:
+        with BlockingChild(_many_calls, daemon.socket_path, 6) as child:
+            assert child.recv(timeout_s=60) == "calling"
+            for _ in range(2):
+                assert running.acquire(timeout=60), "the busy tenant's calls run"
+            for _ in range(3):
+                with Consumer(daemon.socket_path, timeout_s=5) as consumer:
+                    assert consumer.stat().tenant == "uid:0"
+            assert not running.acquire(timeout=0.2), "a third call of the busy tenant ran at once"
+            release.set()
+            assert child.recv(timeout_s=120) == [], "every call of the busy tenant ran in the end"
+            child.send("exit")
+    finally:
+        release.set()
+
+
 def _watch_flood(conn, socket_path: str) -> None:
     """As uid 65534, without a session: open health Watch streams (each answered at once, then left
     open) and keep them until told."""

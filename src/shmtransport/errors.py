@@ -28,6 +28,7 @@ class Reason(str, enum.Enum):
     ARENA_FULL = "arena_full"
     TABLE_FULL = "table_full"  # no free slots in the tenant's object table: loan through the daemon
     QUOTA_EXCEEDED = "quota_exceeded"
+    TENANT_BUSY = "tenant_busy"  # the tenant's share of the daemon's RPC threads is in use: retried by the client
     SHM_TOO_SMALL = "shm_too_small"  # not enough memory for the arena, or /dev/shm for a dedicated segment
     FD_LIMIT = "fd_limit"  # the process is out of file descriptors
     PERMISSION_DENIED = "permission_denied"
@@ -136,6 +137,7 @@ _TABLE: dict[Reason, tuple[type[ShmTransportError], grpc.StatusCode]] = {
     Reason.ARENA_FULL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.TABLE_FULL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.QUOTA_EXCEEDED: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    Reason.TENANT_BUSY: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.SHM_TOO_SMALL: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.FD_LIMIT: (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     Reason.PERMISSION_DENIED: (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),

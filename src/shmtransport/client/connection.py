@@ -210,10 +210,20 @@ class _Connection:
             self.ensure()
         elif not self.alive():
             raise Unavailable("the daemon of this session is gone")
-        try:
-            return self._rpc(method)(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as err:
-            exc = self.typed(err)
+        deadline = time.monotonic() + self.timeout_s
+        pause = TENANT_BUSY_PAUSE_S
+        while True:
+            try:
+                return self._rpc(method)(request, timeout=max(deadline - time.monotonic(), 0.001),
+                                         metadata=self._metadata)
+            except grpc.RpcError as err:
+                exc = self.typed(err)
+            # Refused before it ran because the tenant's share of threads was in use: again, later.
+            if exc.reason is not Reason.TENANT_BUSY or time.monotonic() + pause >= deadline:
+                break
+            del exc
+            time.sleep(pause)
+            pause = min(pause * 2, TENANT_BUSY_PAUSE_MAX_S)
         try:
             raise exc
         finally:
@@ -265,6 +275,8 @@ class _Connection:
 
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+TENANT_BUSY_PAUSE_S = 0.001  # first pause before retrying a call refused for the tenant's share
+TENANT_BUSY_PAUSE_MAX_S = 0.05
 
 
 def _read_session_reply(sock: socket.socket, limit: int = 65536) -> tuple[pb.SessionReply, list[int]]:

@@ -65,7 +65,8 @@ _T = TypeVar("_T")
 
 @dataclasses.dataclass
 class Tenant:
-    """One tenant: who belongs to it, its arena and registry, and its share of waiting threads."""
+    """One tenant: who belongs to it, its arena and registry, and its shares of the daemon's
+    threads (calls in progress, and waiting ones)."""
 
     key: str  # "uid:<n>" or "group:<name>"
     uid: int | None
@@ -73,6 +74,7 @@ class Tenant:
     segment: Segment
     registry: Registry
     wait_slots: queue.SimpleQueue[None]
+    calls: "CallShare"
     objects: ObjectBook | None = None  # the tenant's object table, when the daemon keeps one
 
     def __repr__(self) -> str:
@@ -105,9 +107,53 @@ def _unknown_session() -> PermissionDenied:
                             Reason.UNKNOWN_SESSION)
 
 
+class CallShare:
+    """A tenant's share of the daemon's RPC threads: the calls of it in progress at once. Past it
+    a call is refused at once (TENANT_BUSY, which clients retry within their timeout), so one
+    tenant's flood of calls leaves every other tenant its own share of threads."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._running = 0
+        self._lock = threading.Lock()
+
+    def enter(self, tenant_key: str) -> None:
+        with self._lock:
+            if self._running >= self.limit:
+                raise ResourceExhausted(f"tenant {tenant_key} has {self.limit} calls in progress, its share of the "
+                                        "daemon's threads", Reason.TENANT_BUSY)
+            self._running += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._running -= 1
+
+
+# Calls that end something (a commit, a release, a session) are never refused for the share: they
+# give back what the tenant holds, and a client must be able to finish what it started.
+_SHARED_METHODS = frozenset(_DAEMON_METHOD_PREFIX + m for m in ("Info", "Loan", "Grant", "Acquire", "Stat", "List"))
+
+
+def _within_share(handler: grpc.RpcMethodHandler[Any, Any], tenant: Tenant) -> grpc.RpcMethodHandler[Any, Any]:
+    behavior = handler.unary_unary
+    if behavior is None:  # every Daemon method is unary-unary
+        return handler
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        tenant.calls.enter(tenant.key)
+        try:
+            return behavior(request, context)
+        finally:
+            tenant.calls.leave()
+
+    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)
+
+
 class _SessionGate(grpc.ServerInterceptor):
     """Refuses Daemon calls without a live session token before their body is even parsed, so an
-    unauthenticated peer costs no more than the bytes gRPC already bounds (MAX_REQUEST_NBYTES)."""
+    unauthenticated peer costs no more than the bytes gRPC already bounds (MAX_REQUEST_NBYTES);
+    the others run within their tenant's share of threads."""
 
     def __init__(self, daemon: "Daemon") -> None:
         self._daemon = daemon
@@ -126,8 +172,13 @@ class _SessionGate(grpc.ServerInterceptor):
         if handler_call_details.method.startswith(_DAEMON_METHOD_PREFIX):
             token = next((v for k, v in handler_call_details.invocation_metadata if k == SESSION_METADATA_KEY), None)
             sessions = self._daemon.sessions
-            if not isinstance(token, str) or sessions is None or sessions.session_for_token(token) is None:
+            found = sessions.session_for_token(token) if isinstance(token, str) and sessions is not None else None
+            if found is None:
                 return self._refusal
+            handler = continuation(handler_call_details)
+            if handler is not None and handler_call_details.method in _SHARED_METHODS:
+                return _within_share(handler, found[1])
+            return handler
         return continuation(handler_call_details)
 
 
@@ -340,6 +391,7 @@ class Daemon:
         # has the C kernels; without them every object goes through the registry.
         nslots = cfg.resolved_object_slots(arena_nbytes) if objtable.available() else 0
         wait_share = max(1, cfg.grpc_workers // 2 // len(specs))
+        call_share = max(1, cfg.grpc_workers // len(specs))
         for index, (key, uid, gid) in enumerate(specs):
             base = shm_names.tenant_base(cfg.name_prefix, self.instance_id, index)
             segment = Segment.create_sealed(shm_names.arena_name(base), arena_nbytes)
@@ -359,7 +411,7 @@ class Daemon:
                 slots.put(None)
             registry = Registry(self.instance_id, segment.name, Allocator(arena_nbytes, cfg.page_align_min_nbytes),
                                 limits, reserve, _dedicated_owner(uid, gid), tenant=key, objects=objects)
-            self.tenants.append(Tenant(key, uid, gid, segment, registry, slots, objects))
+            self.tenants.append(Tenant(key, uid, gid, segment, registry, slots, CallShare(call_share), objects))
 
     def _tenant_of(self, uid: int, groups: Sequence[int]) -> Tenant | None:
         for tenant in self.tenants:
