@@ -157,10 +157,10 @@ def test_metrics_unix_socket_refuses_a_live_one_and_replaces_a_stale_one(daemon,
         live.bind(path)
         live.listen(1)
         with pytest.raises(PermissionDenied, match="in use"):
-            start_metrics_server(daemon, f"unix:{path}")
+            start_metrics_server(daemon.tenant_stats, f"unix:{path}")
         assert os.path.exists(path)  # someone else's socket: left alone
     # Closed: a stale socket file nobody listens on, taken over.
-    server = start_metrics_server(daemon, f"unix:{path}")
+    server = start_metrics_server(daemon.tenant_stats, f"unix:{path}")
     try:
         assert _scrape_unix(path)["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
     finally:
@@ -170,13 +170,13 @@ def test_metrics_unix_socket_refuses_a_live_one_and_replaces_a_stale_one(daemon,
     regular = os.path.join(sock_dir, "file")
     open(regular, "w").close()
     with pytest.raises(PermissionDenied, match="not a socket"):
-        start_metrics_server(daemon, f"unix:{regular}")
+        start_metrics_server(daemon.tenant_stats, f"unix:{regular}")
 
 
 def test_metrics_address_is_validated_and_exclusive_with_metrics_port(daemon):
     for address in ("9100", "unix:relative.sock", "127.0.0.1:http"):
         with pytest.raises(InvalidArgument, match="metrics address"):
-            start_metrics_server(daemon, address)
+            start_metrics_server(daemon.tenant_stats, address)
     assert metrics_address(9100, None) == "127.0.0.1:9100"
     assert metrics_address(None, "unix:/run/m.sock") == "unix:/run/m.sock"
     with pytest.raises(InvalidArgument, match="not both"):

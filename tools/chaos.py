@@ -11,7 +11,7 @@ producer then releases its reference. Workers report the phase they reached over
 wait there when the controller chose that phase as the kill point; the controller then SIGKILLs the
 chosen party (producer, consumer or daemon) and lets the rest go on. Kill points lie between the
 client calls and, with the object table, between the steps inside its grant, publish, commit,
-acquire and release sequences (``table_client.fault_point``). Killed workers are respawned
+acquire and release sequences (``client.table.fault_point``). Killed workers are respawned
 (only those), a killed daemon is restarted on the same socket with the same name prefix (its start
 sweeps the dead instance's segment).
 
@@ -52,7 +52,7 @@ from typing import Any
 
 SPAWN = multiprocessing.get_context("spawn")
 
-# Between the client calls, and ("t_*", see shmtransport.table_client) between the steps inside
+# Between the client calls, and ("t_*", see shmtransport.client.table) between the steps inside
 # the object table's sequences: grant, publish, commit, acquire and release.
 TABLE_PRODUCER_POINTS = ("t_after_grant", "t_after_publish", "t_before_commit", "t_after_commit", "t_after_release")
 TABLE_CONSUMER_POINTS = ("t_after_acquire", "t_after_release")
@@ -93,8 +93,8 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import numpy as np
 
-    from shmtransport import table_client
     from shmtransport.client import Consumer, Handle, Producer
+    from shmtransport.client import table as table_client
     from shmtransport.errors import IdentityMismatch, Reason, ShmTransportError, Unavailable
 
     client = None

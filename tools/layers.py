@@ -28,7 +28,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 LAYER_OF_PREFIX = [  # first match wins
     ("daemon", "daemon"),
-    ("client", "client"), ("table_client", "client"), ("aio", "client"),
+    ("client", "client"), ("aio", "client"),
     ("protocol", "protocol"),
     ("frontend", "frontend"), ("worker", "worker"), ("remote", "remote"), ("bridges", "bridges"),
     ("engine", "app"), ("cli", "app"),

@@ -33,6 +33,17 @@ LOANED, COMMITTED, HELD = 1, 2, 3  # slot states
 GRANT_ACTIVE, GRANT_PARKED, GRANT_TAKEN = 0, 1, 2  # a grant's state, in its first slot's grant_state
 
 
+def slot_index(wire_slot: int) -> int:
+    """The table index a handle's ``slot`` names: the wire counts from 1, so that 0 can mean
+    "not in the table" (an object the daemon keeps itself)."""
+    return wire_slot - 1
+
+
+def wire_slot(index: int) -> int:
+    """``slot_index``'s inverse: what a handle carries for table index ``index``."""
+    return index + 1
+
+
 def grant_word(grant_id: int, state: int) -> int:
     """A grant's state word: tagged with its id, so a stale word never matches a later grant."""
     return grant_id << 2 | state

@@ -12,10 +12,11 @@ from ..errors import (
     Unavailable,
 )
 from ..handle import Handle
-from ..table_client import TableClient
+from ..objtable import slot_index
 from ..tensors import tensor_nbytes
 from ..v1 import daemon_pb2 as pb
 from .session import _Client
+from .table import TableClient
 from .views import Lease
 
 
@@ -97,7 +98,7 @@ class Consumer(_Client):
                 if shm.offset + shm.nbytes > mapping.nbytes:
                     raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena",
                                       Reason.OUT_OF_BOUNDS)
-                tables.acquire(shm.slot - 1, shm.generation, shm.offset, shm.nbytes)
+                tables.acquire(slot_index(shm.slot), shm.generation, shm.offset, shm.nbytes)
                 lease = Lease(self, h, mapping.view(shm.offset, shm.nbytes)[:sizes[i]], 0, tables)
                 taken.append(lease)
                 leases[i] = lease

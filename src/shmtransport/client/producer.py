@@ -20,6 +20,7 @@ from ..errors import (
     Unavailable,
 )
 from ..handle import Handle
+from ..objtable import slot_index, wire_slot
 from ..tensors import as_byte_array, dtype_name, tensor_nbytes
 from ..v1 import daemon_pb2 as pb
 from .session import _Client
@@ -103,7 +104,7 @@ class Producer(_Client):
             loans = []
             for obj, (dt, shape, nbytes) in zip(placed, typed):
                 shm = pb.Handle(name=mapping.name, offset=obj.offset, nbytes=obj.nbytes, owner_id=hello.session_id,
-                                generation=obj.generation, instance_id=hello.instance_id, slot=obj.slot + 1)
+                                generation=obj.generation, instance_id=hello.instance_id, slot=wire_slot(obj.slot))
                 loans.append(Loan(self, Handle(shm, dt, shape), mapping.view(obj.offset, obj.nbytes)[:nbytes],
                                   (tables, obj)))
             self._schedule_flush()  # idle grants go back in the background
@@ -287,7 +288,7 @@ class Producer(_Client):
                 if h.shm.instance_id != self.instance_id:
                     raise Unavailable(f"handle of daemon instance {h.shm.instance_id!r}, connected to "
                                       f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
-                placed = tables.owned(h.shm.slot - 1, h.shm.generation) if tables is not None else None
+                placed = tables.owned(slot_index(h.shm.slot), h.shm.generation) if tables is not None else None
                 if tables is None or placed is None:
                     if tables is not None and h.shm.owner_id == self._conn.hello.session_id:
                         raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)

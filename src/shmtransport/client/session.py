@@ -16,10 +16,11 @@ from google.protobuf.message import Message
 from .. import arena, shm_names
 from .._delayed import DelayedCall
 from ..errors import ClosedError, Reason, ShmTransportError, Unavailable
-from ..table_client import TableClient
+from ..objtable import slot_index
 from ..v1 import daemon_pb2 as pb
 from ..wire import MAX_BATCH, default_socket_path
 from .connection import _Connection
+from .table import TableClient
 from .views import Lease, Loan, _View
 
 _log = logging.getLogger("shmtransport.client")
@@ -269,7 +270,7 @@ class _Client:
             if view._table is not None:
                 if self._live_table(view._table):
                     shm = view.handle.shm
-                    view._table.release_lease(shm.slot - 1, shm.generation)
+                    view._table.release_lease(slot_index(shm.slot), shm.generation)
             else:
                 self._queued_leases.append(view.lease_id)
         elif isinstance(view, Loan) and view._placed is not None:

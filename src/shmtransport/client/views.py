@@ -19,8 +19,8 @@ from ..errors import (
     Reason,
 )
 from ..handle import Handle
-from ..table_client import Placed, TableClient
 from ..tensors import dtype_from_name, to_torch
+from .table import Placed, TableClient
 
 if TYPE_CHECKING:
     import torch

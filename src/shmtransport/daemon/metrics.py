@@ -17,16 +17,17 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
 
 from ..errors import InvalidArgument, PermissionDenied
+from ..v1 import daemon_pb2 as pb
 
-if TYPE_CHECKING:
-    from .server import Daemon
+# Each tenant's key and how to read its state now (the daemon's Stat for it).
+TenantStats = Callable[[], list[tuple[str, Callable[[], pb.StatResponse]]]]
 
 _log = logging.getLogger("shmtransport.daemon")
 _GAUGES = {
@@ -71,18 +72,18 @@ _PROBE_TIMEOUT_S = 1.0
 
 
 class _DaemonCollector:
-    def __init__(self, daemon: Daemon) -> None:
-        self._daemon = daemon
+    def __init__(self, tenant_stats: TenantStats) -> None:
+        self._tenant_stats = tenant_stats
 
     def collect(self) -> Iterator[Metric]:
         """Every metric once per tenant, labelled with it. A tenant whose state cannot be read
         (a bug, or what one of its clients wrote) is left out, never the others with it."""
         stats = []
-        for tenant in self._daemon.tenants:
+        for key, read in self._tenant_stats():
             try:
-                stats.append(self._daemon.stat(tenant))
+                stats.append(read())
             except Exception:  # noqa: BLE001 - one tenant's failure stays that tenant's
-                _log.exception("metrics: cannot read the state of tenant %s", tenant.key)
+                _log.exception("metrics: cannot read the state of tenant %s", key)
         arena = GaugeMetricFamily("shmtransport_arena_nbytes", "Arena size in bytes", labels=["tenant"])
         gauges = {f: GaugeMetricFamily(f"shmtransport_{f}", doc, labels=["tenant"]) for f, doc in _GAUGES.items()}
         counters = {f: CounterMetricFamily(f"shmtransport_{f.removesuffix('_total')}", doc, labels=["tenant"])
@@ -184,11 +185,11 @@ def _refuse_live_socket(path: str) -> None:
     os.unlink(path)
 
 
-def start_metrics_server(daemon: Daemon, address: str) -> socketserver.BaseServer:
-    """Serve ``daemon``'s metrics on ``address`` (``HOST:PORT`` or ``unix:/path``) from a thread;
-    the server answers ``shutdown()`` and ``server_close()``."""
+def start_metrics_server(tenant_stats: TenantStats, address: str) -> socketserver.BaseServer:
+    """Serve the metrics of the tenants ``tenant_stats`` lists on ``address`` (``HOST:PORT`` or
+    ``unix:/path``) from a thread; the server answers ``shutdown()`` and ``server_close()``."""
     registry = CollectorRegistry()
-    registry.register(_DaemonCollector(daemon))
+    registry.register(_DaemonCollector(tenant_stats))
     if address.startswith(UNIX_PREFIX):
         path = address[len(UNIX_PREFIX):]
         if not os.path.isabs(path):

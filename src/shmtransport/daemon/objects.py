@@ -53,6 +53,8 @@ from ..objtable import (
     SlotStatus,
     grant_word,
     raise_for,
+    slot_index,
+    wire_slot,
 )
 from ..v1 import daemon_pb2 as pb
 from .segments import Segment
@@ -365,7 +367,7 @@ class ObjectBook:
         return len(self._proxy_leases)
 
     def _slot_of(self, handle: pb.Handle) -> int:
-        slot = handle.slot - 1
+        slot = slot_index(handle.slot)
         if not 0 <= slot < self.nslots:
             raise InvalidArgument(f"handle names object slot {handle.slot}, the table has {self.nslots}")
         return slot
@@ -457,7 +459,7 @@ class ObjectBook:
             age_s = (now_ns - int(cols["deadline_ns"][index]) + window_ns) / 1e9 if state == COMMITTED else -1.0
             infos.append(pb.ObjectInfo(
                 offset=int(cols["offset"][index]), nbytes=int(cols["nbytes"][index]), generation=generation,
-                slot=index + 1, state=self._STATE_NAMES.get(state, str(state)), handoff=bool(word & HANDOFF),
+                slot=wire_slot(index), state=self._STATE_NAMES.get(state, str(state)), handoff=bool(word & HANDOFF),
                 owner_session=session_of.get(owner_bit, ""), holder_sessions=sessions, age_s=age_s,
                 producer_held=owner_bit < SESSION_BITS and bool(word >> owner_bit & 1)))
         return infos

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import grp
 import logging
 import os
@@ -501,7 +502,11 @@ class Daemon:
 
             address = metrics_address(cfg.metrics_port, cfg.metrics_address)
             if address is not None:  # always, with either set
-                self._metrics_server = start_metrics_server(self, address)
+                self._metrics_server = start_metrics_server(self.tenant_stats, address)
+
+    def tenant_stats(self) -> list[tuple[str, Callable[[], pb.StatResponse]]]:
+        """Each tenant's key and how to read its ``Stat`` now (what the metrics endpoint serves)."""
+        return [(tenant.key, functools.partial(self.stat, tenant)) for tenant in self.tenants]
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting, let calls in flight finish (bounded), unlink everything. Idempotent."""

@@ -23,10 +23,10 @@ import itertools
 import time
 from typing import Callable
 
-from .allocator import PAGE, Allocator
-from .errors import InvalidArgument, Reason, ResourceExhausted, StateError
-from .objtable import GRANT_ACTIVE, GRANT_PARKED, ObjectTable, SlotStatus, grant_word, raise_for
-from .v1 import daemon_pb2 as pb
+from ..allocator import PAGE, Allocator
+from ..errors import InvalidArgument, Reason, ResourceExhausted, StateError
+from ..objtable import GRANT_ACTIVE, GRANT_PARKED, ObjectTable, SlotStatus, grant_word, raise_for
+from ..v1 import daemon_pb2 as pb
 
 # Fault injection (the chaos harness): called with a step name between the steps of every
 # sequence below; a no-op unless a harness installs a hook in this process.
