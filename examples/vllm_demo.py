@@ -38,6 +38,7 @@ def _kinds(renderer: Qwen2VLRenderer, large_renderer: Qwen2VLRenderer) -> dict:
 
 
 def run(quick: bool) -> int:
+    from shmtransport import NO_INLINE, GeneratorClient
     from shmtransport.client import Consumer, Producer
     from shmtransport.worker.process import start_daemon_process, stop_process
 
@@ -61,9 +62,9 @@ def run(quick: bool) -> int:
         parity: dict[str, dict[str, paths.Completion]] = {}
         with Producer(socket_path) as producer, Consumer(socket_path) as consumer, \
                 grpc.insecure_channel(servers["stock"].address) as stock, \
-                grpc.insecure_channel(servers["ours"].address) as ours:
+                GeneratorClient(servers["ours"].address, producer, inline=NO_INLINE, timeout_s=300) as ours:
             send = {
-                "ours": lambda p: paths.send_ours(ours, producer, p.token_ids, p.features, max_tokens=MAX_TOKENS),
+                "ours": lambda p: paths.send_ours(ours, p.token_ids, p.features, max_tokens=MAX_TOKENS),
                 "stock-shm": lambda p: paths.send_stock(stock, producer, consumer, p.token_ids, p.features,
                                                         shm=True, max_tokens=MAX_TOKENS),
                 "stock-inline": lambda p: paths.send_stock(stock, None, None, p.token_ids, p.features, shm=False,

@@ -13,6 +13,8 @@ loaded through its ``pytest11`` entry point; its helpers are in ``shmtransport.t
   ``@pytest.mark.allow_live_objects``).
 - ``daemon``: ``make_daemon()`` with the defaults.
 - ``new_prefix``: factory of fresh segment-name prefixes for daemons a test starts itself.
+- ``vllm_session`` (tests/vllm_engine.py): vLLM's real engine behind our worker and the stock server,
+  started once per run and shared by every module and doc example that needs it.
 - ``ONCE_UNDER_C``: modules whose subject is not the kernels run under the C backend only.
 - Optional packages: a module that needs one (``OPTIONAL``, or ``pytest.importorskip`` inside)
   is skipped where it is missing, e.g. in a venv with only the wheel and its test tools. Under
@@ -27,6 +29,7 @@ import os
 import warnings
 
 import pytest
+from vllm_engine import vllm_session  # noqa: F401 - the one vLLM engine session of the run
 
 from shmtransport import testing  # noqa: E402
 from shmtransport.daemon import Daemon  # noqa: E402
@@ -51,6 +54,8 @@ OPTIONAL = {
 ONCE_UNDER_C = {
     "test_engine_vllm.py": "vLLM's engine behind our worker (~3 min of engine start); the pure-Python "
                            "kernels' part of that path is in the protocol and worker tests",
+    "test_generator_client.py": "the public Generator client against vLLM's engine (the shared engine session "
+                                "starts once, under C); its Python code does not touch the kernels",
     "test_aio.py": "the asyncio wrapper; its tests already run each call with and without the object table",
     "test_pytest_plugin_xdist.py": "the plugin's leak attribution under xdist",
     "test_packaging.py": "building and installing the artifacts",

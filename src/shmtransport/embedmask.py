@@ -209,9 +209,11 @@ class PlaceholderRange:
 
     @property
     def num_embeds(self) -> int:
+        """How many of the positions take an embedding (``length`` without a mask)."""
         return get_num_embeds(self.length, self.is_embed)
 
     def get_num_embeds(self) -> int:
+        """``num_embeds``, under vLLM's method name."""
         return get_num_embeds(self.length, self.is_embed)
 
     @functools.cached_property  # cached like vLLM's (frozen dataclasses allow it: it writes __dict__)
@@ -219,7 +221,9 @@ class PlaceholderRange:
         return embeds_cumsum(self.length, self.is_embed)
 
     def extract_embeds_range(self) -> list[tuple[int, int]]:
+        """INCLUSIVE absolute ``(start, end)`` runs of embedding positions (vLLM's method)."""
         return extract_embeds_range(self.offset, self.length, self.is_embed)
 
     def get_embeds_indices_in_range(self, start: int, end: int) -> tuple[int, int]:
+        """Encoder-output indices ``[a, b)`` of the embeddings among positions ``[start, end)``."""
         return get_embeds_indices_in_range(self.length, self.is_embed, start, end)

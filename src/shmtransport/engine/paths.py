@@ -29,11 +29,11 @@ import grpc
 
 from ..client import Consumer, Producer
 from ..errors import InvalidArgument
-from ..frontend.request import NO_INLINE, BuiltRequest, build_request
+from ..frontend.client import GeneratorClient
+from ..frontend.request import BuiltRequest, build_request
 from ..protocol.items import FeatureItem
 from ..protocol.limits import DEFAULT_LIMITS
 from ..v1 import generate_pb2 as gpb
-from ..v1 import generate_pb2_grpc as gpb_grpc
 
 _ids = itertools.count()
 # the stock path's request is built inline first (the bridge's input); the stock server itself
@@ -64,18 +64,17 @@ def _request(token_ids: Sequence[int], built: BuiltRequest, max_tokens: int,
     return req
 
 
-def send_ours(channel: grpc.Channel, producer: Producer, token_ids: Sequence[int], features: Sequence[FeatureItem], *,
-              max_tokens: int = 8, logprobs: int | None = 1, timeout_s: float = 300.0) -> Completion:
-    """``shmtransport vllm-worker``: tensors into the arena (one copy, digest fused), handles on the wire."""
-    stub = gpb_grpc.GeneratorStub(channel)
+def send_ours(client: GeneratorClient, token_ids: Sequence[int], features: Sequence[FeatureItem], *,
+              max_tokens: int = 8, logprobs: int | None = 1) -> Completion:
+    """``shmtransport vllm-worker`` through the public client: tensors into the arena (one copy,
+    digest fused), handles on the wire; the same controls as the stock path's ``_request``."""
     t0 = time.perf_counter()
-    with build_request(producer, features, scheme="xxh3-128", prompt_len=len(token_ids), mode="shm",
-                       inline=NO_INLINE) as built:
-        req = _request(token_ids, built, max_tokens, logprobs)
-        first = None
-        tokens: list[int] = []
-        values: list[float] = []
-        for chunk in stub.GenerateStream(req, timeout=timeout_s):
+    first = None
+    tokens: list[int] = []
+    values: list[float] = []
+    with client.generate_stream(token_ids, features, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                logprobs=logprobs) as stream:
+        for chunk in stream:
             first = first or time.perf_counter()
             tokens += chunk.token_ids
             values += chunk.logprobs

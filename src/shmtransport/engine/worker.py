@@ -169,7 +169,7 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
                 yield chunk
         except ShmTransportError:  # some are ValueErrors: not the engine's
             raise
-        except (ValueError, TypeError) as exc:  # vLLM's own validation of the request
+        except _request_errors() as exc:  # vLLM's own validation of the request
             raise InvalidArgument(f"engine rejected the request: {exc}") from exc
 
     async def Generate(self, request: gpb.GenerateRequest, context: _UnaryContext) -> gpb.GenerateResponse:
@@ -177,6 +177,16 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
 
         chunks = [c async for c in self.GenerateStream(request, context)]
         return fold(chunks, request_id=request.request_id)
+
+
+def _request_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a bad request: ValueError / TypeError, and since 0.32 its own
+    ``VLLMClientError`` (e.g. a token id outside the vocabulary), which is neither."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError, TypeError)
+    return (ValueError, TypeError, VLLMClientError)
 
 
 def _chunk(completion: Any, *, params_logprobs: bool) -> gpb.GenerateStreamChunk:

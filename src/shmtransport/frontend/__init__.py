@@ -7,6 +7,8 @@ request to the worker.
   Whisper feature extractor; optional extra ``renderer`` = transformers + pillow, imported lazily);
   ``synthetic_features`` gives tensors of the same shapes without them.
 - ``prompt``: prompt expansion with structural tokens around the embedding positions (sparse is_embed).
+- ``client``: ``GeneratorClient`` / ``AsyncGeneratorClient``, the public client of a worker's
+  ``Generator`` service (token ids + ``FeatureItem``s in, a stream of tokens out, typed errors).
 - ``generate``: ``Frontend`` builds ``GenerateRequest``s (shared-memory handles or inline tensors)
   and sends them to the worker over gRPC, with typed errors.
 

@@ -25,16 +25,11 @@ from typing import Any, Sequence, cast
 
 import grpc
 import numpy as np
-from google.protobuf.message import Message
 
 from ..client import Handle, Loan, Producer
 from ..errors import (
-    DeadlineExceeded,
     InvalidArgument,
     ShmTransportError,
-    Unavailable,
-    carried_reason,
-    error_from_rpc,
 )
 from ..identity import DEFAULT_SCHEME, identity_scheme
 from ..protocol.folding import fold
@@ -43,16 +38,13 @@ from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..protocol.spec import TIMING_KEY, grpc_options
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
+from .client import WorkerUnavailable, set_controls, typed_error
 from .prompt import expand_prompt
 from .request import DEFAULT_INLINE, BuiltRequest, InlinePolicy, build_request
 
 __all__ = ["Item", "Outcome", "Prepared", "Frontend", "WorkerUnavailable"]
 
 _ids = itertools.count()
-
-
-class WorkerUnavailable(Unavailable):
-    """The worker went away (crashed, killed, not listening) before the request finished."""
 
 
 @dataclasses.dataclass
@@ -121,17 +113,6 @@ class Outcome:
         return self.timing["on_device"] - self.t_start if "on_device" in self.timing else None
 
 
-def _set_controls(msg: Message, values: dict[str, Any] | None) -> None:
-    for name, value in (values or {}).items():
-        field = getattr(msg, name)
-        if isinstance(value, dict):
-            field.update(value)
-        elif isinstance(value, (list, tuple)):
-            field.extend(value)
-        else:
-            setattr(msg, name, value)
-
-
 class Frontend:
     def __init__(self, address: str, producer: Producer | None = None, *, timeout_s: float = 60.0,
                  limits: Limits = DEFAULT_LIMITS, scheme: str = DEFAULT_SCHEME, inline: InlinePolicy = DEFAULT_INLINE):
@@ -182,8 +163,8 @@ class Frontend:
         req = gpb.GenerateRequest(request_id=request_id or f"req-{os.getpid()}-{next(_ids)}",
                                   multimodal=built.request)
         req.token_ids.ids.extend(prompt.token_ids)
-        _set_controls(req.sampling, sampling)
-        _set_controls(req.stopping, stopping)
+        set_controls(req.sampling, sampling)
+        set_controls(req.stopping, stopping)
         if adapter:
             req.lora_name = adapter
         total = sum(it.nbytes for it in items)
@@ -284,13 +265,7 @@ class Frontend:
                          metadata=metadata)
 
     def _typed(self, err: grpc.RpcError) -> ShmTransportError:
-        exc = error_from_rpc(err)
-        if isinstance(exc, DeadlineExceeded):
-            return DeadlineExceeded(f"worker at {self.address} did not finish within {self.timeout_s} s")
-        if isinstance(exc, Unavailable) and carried_reason(err) is None:  # the transport's, not the worker's
-            return WorkerUnavailable(f"worker at {self.address} is gone or unreachable "
-                                     f"({err.code().name}: {err.details() or ''})")
-        return exc
+        return typed_error(err, self.address, self.timeout_s)
 
 
 def _timing(call: grpc.Call) -> dict[str, float]:

@@ -46,6 +46,7 @@ class FieldConfig:
 
     # -- proto ----------------------------------------------------------------------------------
     def to_proto(self) -> fpb.FieldLayout:
+        """The layout as it travels in a request (``FieldLayout``)."""
         msg = fpb.FieldLayout(kind=_KIND_TO_PB[self.kind], keep_on_cpu=self.keep_on_cpu)
         if self.kind == "flat":
             msg.dim = self.dim
@@ -62,6 +63,7 @@ class FieldConfig:
 
     @classmethod
     def from_proto(cls, msg: fpb.FieldLayout) -> "FieldConfig":
+        """The layout a request's ``FieldLayout`` describes; an invalid one is ``InvalidArgument``."""
         if msg.kind not in _PB_TO_KIND:
             raise InvalidArgument(f"field layout kind must be BATCHED, FLAT or SHARED, got {msg.kind}")
         kind = _PB_TO_KIND[msg.kind]
@@ -79,6 +81,7 @@ class FieldConfig:
 
     # -- vLLM's msgpack tuple -------------------------------------------------------------------
     def to_wire(self) -> list[Any]:
+        """vLLM's MessagePack form of the field: ``[kind, {options}]``."""
         # Option order is vLLM's: its encoder writes dataclasses.fields(field), keep_on_cpu first.
         if self.kind == "batched":
             return ["batched", {"keep_on_cpu": self.keep_on_cpu}]
@@ -96,8 +99,10 @@ class FieldConfig:
 class FeatureItem:
     """One preprocessed item before it goes on the wire.
 
-    ``kwargs`` maps key -> tensor (numpy array, CPU torch tensor, ``(dtype, shape, buffer)``) or an
-    already-committed ``Handle`` (loan -> commit with ``digest=True``). ``fields`` defaults to
+    ``kwargs`` maps key -> tensor (numpy array, CPU torch tensor, ``(dtype, shape, buffer)``), an
+    already-committed ``Handle`` (loan -> commit with ``digest=True``) or vLLM's non-tensor data
+    (int, float, a list/tuple of these and tensors; such an item travels as its kwargs MessagePack,
+    ``kwargs_msgpack`` when it came as bytes). ``fields`` defaults to
     batched for every key. ``mm_hash`` is the producer's identity when it already has one (the
     envelope's); it is checked against the recomputed identity, never trusted.
     """
@@ -111,4 +116,5 @@ class FeatureItem:
     routing_marker: str | None = None  # a KV-routing marker the caller claims; checked vs the payload
 
     def field(self, key: str) -> FieldConfig:
+        """The layout of ``kwargs[key]`` (batched when ``fields`` does not name it)."""
         return self.fields.get(key) or FieldConfig()

@@ -1,0 +1,134 @@
+"""The suite's one vLLM engine session (fixture ``vllm_session``, registered by conftest.py), shared
+by every test module and doc example that needs vLLM's real engine: it takes about a minute to
+start on two cores, so it starts once per run.
+
+One session starts, side by side: our daemon, vLLM's stock gRPC server (SMG's ``VllmEngineServicer``
+over AsyncLLM, the unmodified ``vllm serve --grpc``), our zero-copy ``shmtransport vllm-worker`` over
+a tiny random-weight Qwen2-VL built at run time, and vLLM's offline engine in a child process that
+runs every scenario once (``offline``: the reference tokens and logprobs).
+
+The session is a dict: ``daemon``, ``producer``, ``consumer``, ``channels`` (``stock``, ``ours``),
+``ours`` (a ``GeneratorClient`` of our worker that sends every tensor through shared memory),
+``servers`` (``process.EngineServer``s), ``model`` (the model directory), ``scenarios``, ``offline``,
+``renderer``, ``root``.
+Everything vLLM-specific is imported inside the fixture: this module loads without vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(__file__)
+MAX_TOKENS = 6  # what the offline reference generates per scenario
+
+
+def _scenarios(renderer: Any) -> dict:
+    from shmtransport.frontend.media import synthetic_image, synthetic_video
+
+    img = lambda w, h, seed: renderer.image(synthetic_image(w, h, seed))  # noqa: E731
+    vid = lambda n, w, h, seed: renderer.video(synthetic_video(n, w, h, seed))  # noqa: E731
+    items = {
+        "single-image": [img(112, 84, 1)],
+        "ragged-images": [img(112, 84, 2), img(200, 150, 3), img(56, 56, 4)],
+        # large enough that vLLM's encoder cache keeps only the first image between two requests
+        "ragged-images-large": [img(224, 224, 12), img(448, 336, 13), img(112, 84, 14)],
+        "video": [vid(4, 112, 112, 5)],
+        "image-and-video": [img(140, 98, 6), vid(2, 84, 84, 7)],
+    }
+    return {name: renderer.prompt("describe this", its) for name, its in items.items()}
+
+
+def _offline_requests(scenarios: dict, path: str) -> None:
+    """The scenarios as tensors + JSON for tests/engine/offline_vllm.py."""
+    from shmtransport.identity import item_identity
+
+    arrays = {}
+    for name, prompt in scenarios.items():
+        meta = {"token_ids": prompt.token_ids, "max_tokens": MAX_TOKENS, "logprobs": 1, "items": []}
+        for i, f in enumerate(prompt.features):
+            for key, value in f.kwargs.items():
+                arrays[f"{name}/{i}/{key}"] = value
+            meta["items"].append({
+                "modality": f.modality, "offset": f.placeholder.offset, "length": f.placeholder.length,
+                "mm_hash": item_identity(f.modality, f.kwargs, "xxh3-128"),
+                "fields": {k: {"kind": c.kind, "dim": c.dim, "keep_on_cpu": c.keep_on_cpu,
+                               "slices": [[s.start, s.stop] for s in c.slices]}
+                           for k, c in f.fields.items()}})
+        arrays[f"{name}/meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    np.savez(path, **arrays)
+
+
+@pytest.fixture(scope="session")
+def vllm_session(tmp_path_factory):
+    for module in ("torch", "vllm", "transformers"):  # conftest: a failure under SHMTRANSPORT_REQUIRE_EXTRAS
+        pytest.importorskip(module)
+    import grpc
+
+    from shmtransport import NO_INLINE, GeneratorClient, testing
+    from shmtransport.client import Consumer, Producer
+    from shmtransport.engine import environment, process, tiny_model
+    from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
+
+    root = tmp_path_factory.mktemp("vllm")
+    model = tiny_model.build(root / "model")
+    renderer = Qwen2VLRenderer(model)
+    scenarios = _scenarios(renderer)
+    _offline_requests(scenarios, str(root / "offline.npz"))
+    daemon = testing.start_daemon(arena_nbytes=256 << 20)
+    runtime = root / "runtime"
+    offline_out = root / "offline.json"
+    offline_env = environment.with_defaults(environment.isolated_environment(runtime), os.environ)
+    offline = None
+    servers: dict = {}
+    try:
+        with open(root / "offline.log", "wb") as log:  # the child keeps its own copy of the fd
+            offline = subprocess.Popen([sys.executable, os.path.join(HERE, "engine", "offline_vllm.py"), str(model),
+                                        str(root / "offline.npz"), str(offline_out)],
+                                       env=offline_env,
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        servers = process.start_stock_and_ours(model, daemon.config.socket_path, runtime_dir=runtime, log_dir=root)
+        assert offline.wait(600) == 0, (root / "offline.log").read_text()[-4000:]
+        producer, consumer = Producer(daemon.config.socket_path), Consumer(daemon.config.socket_path)
+        channels = {name: grpc.insecure_channel(server.address) for name, server in servers.items()}
+        # every tensor through shared memory: the path the parity tests and the copy counts are about
+        ours = GeneratorClient(servers["ours"].address, producer, channel=channels["ours"], inline=NO_INLINE,
+                               timeout_s=300)
+        session = {"daemon": daemon, "producer": producer, "consumer": consumer, "channels": channels, "ours": ours,
+                   "servers": servers, "model": str(model),
+                   "scenarios": scenarios, "offline": json.loads(offline_out.read_text()), "renderer": renderer,
+                   "root": root}
+        all_paths(session, "single-image")  # connects every channel and compiles vLLM's logprobs code
+        yield session
+        ours.close()
+        for ch in channels.values():
+            ch.close()
+        producer.close()
+        consumer.close()
+    finally:
+        if offline is not None and offline.poll() is None:
+            os.killpg(offline.pid, 9)
+            offline.wait()
+        for server in servers.values():
+            server.stop()
+        testing.stop_daemon(daemon)
+
+
+def all_paths(s: dict, name: str) -> dict:
+    """Scenario ``name`` down every path: ``ours``, ``stock-shm``, ``stock-inline`` -> ``paths.Completion``."""
+    from shmtransport.engine import paths
+
+    prompt = s["scenarios"][name]
+    kw = dict(max_tokens=MAX_TOKENS, logprobs=1)
+    return {
+        "ours": paths.send_ours(s["ours"], prompt.token_ids, prompt.features, **kw),
+        "stock-shm": paths.send_stock(s["channels"]["stock"], s["producer"], s["consumer"], prompt.token_ids,
+                                      prompt.features, shm=True, **kw),
+        "stock-inline": paths.send_stock(s["channels"]["stock"], None, None, prompt.token_ids, prompt.features,
+                                         shm=False, **kw),
+    }
