@@ -31,19 +31,44 @@ class Kernels(Protocol):
     backend modules implement."""
 
     @property
-    def Xxh3Stream(self) -> type[_Xxh3Stream]: ...  # a class, in the module
-    def xxh3_128(self, buf: Any) -> bytes: ...
-    def xxh3_128_many(self, bufs: Iterable[Any]) -> bytes: ...
-    def tree_digest(self, buf: Any, threads: int | None = None) -> bytes: ...
-    def copy_tree_digest(self, dst: Any, src: Any, threads: int | None = None) -> bytes: ...
-    def copy(self, dst: Any, src: Any, threads: int | None = None) -> None: ...
-    def mask_pack(self, bools: Any) -> np.ndarray: ...
-    def mask_unpack(self, packed: Any, nbits: Any) -> np.ndarray: ...
-    def mask_popcount(self, packed: Any, nbits: Any) -> int: ...
-    def mask_indices(self, packed: Any, nbits: Any) -> np.ndarray: ...
-    def mask_runs(self, packed: Any, nbits: Any) -> np.ndarray: ...
-    def mask_cumsum(self, packed: Any, nbits: Any) -> np.ndarray: ...
-    def mask_window(self, packed: Any, nbits: Any, start: Any, end: Any) -> tuple[int, int]: ...
+    def Xxh3Stream(self) -> type[_Xxh3Stream]:
+        """The streaming XXH3-128 class (``update``, ``copy_update``, ``digest``, ``reset``)."""
+
+    def xxh3_128(self, buf: Any) -> bytes:
+        """16-byte canonical XXH3-128 (seed 0) of ``buf``."""
+
+    def xxh3_128_many(self, bufs: Iterable[Any]) -> bytes:
+        """XXH3-128 of the concatenation of ``bufs``."""
+
+    def tree_digest(self, buf: Any, threads: int | None = None) -> bytes:
+        """Tree-mode digest of ``buf`` (see ``_purepy``); independent of ``threads``."""
+
+    def copy_tree_digest(self, dst: Any, src: Any, threads: int | None = None) -> bytes:
+        """Copy ``src`` into ``dst`` and return ``tree_digest(src)``."""
+
+    def copy(self, dst: Any, src: Any, threads: int | None = None) -> None:
+        """Copy ``src`` into ``dst`` (same nbytes, no overlap)."""
+
+    def mask_pack(self, bools: Any) -> np.ndarray:
+        """Pack booleans into MSB-first bytes; padding bits are zero."""
+
+    def mask_unpack(self, packed: Any, nbits: Any) -> np.ndarray:
+        """The ``nbits`` booleans of a packed mask."""
+
+    def mask_popcount(self, packed: Any, nbits: Any) -> int:
+        """Number of set bits among the first ``nbits``."""
+
+    def mask_indices(self, packed: Any, nbits: Any) -> np.ndarray:
+        """Positions of the set bits, ascending, int64."""
+
+    def mask_runs(self, packed: Any, nbits: Any) -> np.ndarray:
+        """(start, length) of each maximal run of set bits, int64, shape (k, 2)."""
+
+    def mask_cumsum(self, packed: Any, nbits: Any) -> np.ndarray:
+        """Inclusive cumulative sum of the bits, int64, length nbits."""
+
+    def mask_window(self, packed: Any, nbits: Any, start: Any, end: Any) -> tuple[int, int]:
+        """(#set in [0, start), #set in [0, end))."""
 
 
 def _select() -> tuple[str, Kernels]:

@@ -12,6 +12,9 @@ from typing import Callable
 
 
 class DelayedCall:
+    """Runs ``run`` on one lazily started daemon thread, at the earliest deadline asked for
+    (``within``); thread-safe."""
+
     def __init__(self, run: Callable[[], None], name: str):
         self._run = run
         self._name = name

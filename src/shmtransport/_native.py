@@ -108,6 +108,7 @@ os.register_at_fork(after_in_child=_forget_pool)
 # Hashing and copies.
 # ---------------------------------------------------------------------------------------------
 def xxh3_128(buf: Any) -> bytes:
+    """16-byte canonical XXH3-128 (seed 0) of ``buf``."""
     view = _view(buf, "buf")
     if not HAVE_XXH3:
         return _purepy.xxh3_128(view)
@@ -117,6 +118,7 @@ def xxh3_128(buf: Any) -> bytes:
 
 
 def xxh3_128_many(bufs: Iterable[Any]) -> bytes:
+    """XXH3-128 of the concatenation of ``bufs``, streamed without joining them."""
     if isinstance(bufs, (bytes, bytearray, memoryview, str)):
         raise InvalidType("bufs must be an iterable of buffers, not a single buffer")
     stream = Xxh3Stream()
@@ -145,6 +147,7 @@ class Xxh3Stream:
             self._state.update(view)
 
     def update(self, buf: Any) -> None:
+        """Feed the bytes of ``buf``."""
         self._update_view(_view(buf, "buf"))
 
     def copy_update(self, dst: Any, src: Any) -> None:
@@ -158,6 +161,7 @@ class Xxh3Stream:
             self._state.update(s)
 
     def digest(self) -> bytes:
+        """The 16-byte digest of everything fed since the last reset; the stream stays usable."""
         if not HAVE_XXH3:
             return cast(bytes, self._state.digest())
         out = ffi.new("uint8_t[16]")
@@ -165,6 +169,7 @@ class Xxh3Stream:
         return cast(bytes, ffi.buffer(out)[:])
 
     def reset(self) -> None:
+        """Start over, as if newly created."""
         if HAVE_XXH3:
             _check(lib.shmt_xxh3_stream_reset(self._state), "Xxh3Stream.reset")
         else:
@@ -329,6 +334,7 @@ def _empty(shape: Any, dtype: Any) -> np.ndarray:
 
 
 def mask_pack(bools: Any) -> np.ndarray:
+    """Pack booleans (nonzero = set) into MSB-first bytes; padding bits are zero."""
     arr = _bools(bools)
     nbits = arr.size
     out = _empty((nbits + 7) // 8, np.uint8)
@@ -337,6 +343,7 @@ def mask_pack(bools: Any) -> np.ndarray:
 
 
 def mask_unpack(packed: Any, nbits: Any) -> np.ndarray:
+    """The ``nbits`` booleans of a packed mask."""
     view, nbits = _packed(packed, nbits)
     out = _empty(nbits, np.bool_)
     _check(lib.shmt_mask_unpack(_ptr(view), view.nbytes, nbits, _wptr(_view(out, "out")), nbits), "mask_unpack")
@@ -344,6 +351,7 @@ def mask_unpack(packed: Any, nbits: Any) -> np.ndarray:
 
 
 def mask_popcount(packed: Any, nbits: Any) -> int:
+    """Number of set bits among the first ``nbits``."""
     view, nbits = _packed(packed, nbits)
     count = lib.shmt_mask_popcount(_ptr(view), view.nbytes, nbits)
     _check(min(count, 0), "mask_popcount")
@@ -351,6 +359,7 @@ def mask_popcount(packed: Any, nbits: Any) -> int:
 
 
 def mask_indices(packed: Any, nbits: Any) -> np.ndarray:
+    """Positions of the set bits, ascending, int64."""
     view, nbits = _packed(packed, nbits)
     src = _ptr(view)
     count = lib.shmt_mask_popcount(src, view.nbytes, nbits)
@@ -361,6 +370,7 @@ def mask_indices(packed: Any, nbits: Any) -> np.ndarray:
 
 
 def mask_runs(packed: Any, nbits: Any) -> np.ndarray:
+    """(start, length) of each maximal run of set bits, int64, shape (k, 2)."""
     view, nbits = _packed(packed, nbits)
     src = _ptr(view)
     count = lib.shmt_mask_count_runs(src, view.nbytes, nbits)
@@ -371,6 +381,7 @@ def mask_runs(packed: Any, nbits: Any) -> np.ndarray:
 
 
 def mask_cumsum(packed: Any, nbits: Any) -> np.ndarray:
+    """Inclusive cumulative sum of the bits, int64, length nbits."""
     view, nbits = _packed(packed, nbits)
     out = _empty(nbits, np.int64)
     _check(lib.shmt_mask_cumsum(_ptr(view), view.nbytes, nbits, _i64ptr(out), nbits), "mask_cumsum")
@@ -378,6 +389,7 @@ def mask_cumsum(packed: Any, nbits: Any) -> np.ndarray:
 
 
 def mask_window(packed: Any, nbits: Any, start: Any, end: Any) -> tuple[int, int]:
+    """(#set in [0, start), #set in [0, end)); requires 0 <= start <= end <= nbits."""
     view, nbits = _packed(packed, nbits)
     start, end = _window_args(nbits, start, end)
     out = ffi.new("int64_t[2]")

@@ -163,6 +163,7 @@ class Xxh3Stream:
         self._h = xxhash.xxh3_128()
 
     def update(self, buf: Any) -> None:
+        """Feed the bytes of ``buf``."""
         self._h.update(_view(buf, "buf"))
 
     def copy_update(self, dst: Any, src: Any) -> None:
@@ -172,9 +173,11 @@ class Xxh3Stream:
         self._h.update(s)
 
     def digest(self) -> bytes:
+        """The 16-byte digest of everything fed since the last reset; the stream stays usable."""
         return self._h.digest()
 
     def reset(self) -> None:
+        """Start over, as if newly created."""
         self._h.reset()
 
 
@@ -224,6 +227,7 @@ def mask_unpack(packed: Any, nbits: Any) -> np.ndarray:
 
 
 def mask_popcount(packed: Any, nbits: Any) -> int:
+    """Number of set bits among the first ``nbits``."""
     return int(np.count_nonzero(_bits(packed, nbits)))
 
 

@@ -26,6 +26,8 @@ def _round_up(value: int, align: int) -> int:
 
 
 class Allocator:
+    """Offsets and sizes of the live allocations in ``[0, nbytes)``; not thread-safe (the owner locks)."""
+
     def __init__(self, nbytes: int, page_align_min_nbytes: int = 64 * 1024):
         if nbytes <= 0 or nbytes % PAGE:
             raise InvalidArgument(f"arena nbytes must be a positive multiple of {PAGE}, got {nbytes}")
@@ -40,18 +42,22 @@ class Allocator:
     # -- queries ---------------------------------------------------------------------------------
     @property
     def free_nbytes(self) -> int:
+        """Bytes not reserved by a live allocation (alignment padding counts as reserved)."""
         return self.nbytes - self.used_nbytes
 
     @property
     def largest_free_nbytes(self) -> int:
+        """Size of the largest free extent: an upper bound on what one ``allocate`` can get."""
         return self._by_size[-1][0] if self._by_size else 0
 
     @property
     def free_extents(self) -> int:
+        """Number of disjoint free extents."""
         return len(self._by_size)
 
     @property
     def live_allocations(self) -> int:
+        """Number of allocations not yet freed."""
         return len(self._live)
 
     def fragmentation(self) -> float:

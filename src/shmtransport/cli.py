@@ -383,6 +383,7 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``shmtransport`` argument parser, one subcommand each with its handler as ``func``."""
     parser = _Parser(prog="shmtransport", description=__doc__)
     parser.add_argument("--version", action="version", version=f"shmtransport {__version__} (kernels: {BACKEND})")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -485,6 +486,7 @@ def _output_cut_short() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); the exit status (1: a library error, 2: usage)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["vllm-worker"]:  # vLLM's engine flags: parsed by vLLM's own parser

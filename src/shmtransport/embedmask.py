@@ -58,6 +58,8 @@ class EmbedMask:
 
     @classmethod
     def from_bools(cls, bools: Any) -> "EmbedMask":
+        """The mask of ``bools`` (nonzero = set); InvalidArgument if they are not one-dimensional
+        booleans or numbers."""
         try:
             packed = kernels.mask_pack(bools)
         except (TypeError, ValueError) as exc:
@@ -66,10 +68,12 @@ class EmbedMask:
 
     @property
     def packed(self) -> bytes:
+        """The canonical packed bytes: ceil(nbits/8) of them, MSB-first, padding bits zero."""
         return self._packed
 
     @property
     def nbits(self) -> int:
+        """Number of bits (positions) the mask covers."""
         return self._nbits
 
     def __len__(self) -> int:
@@ -87,9 +91,11 @@ class EmbedMask:
         return f"EmbedMask(nbits={self._nbits}, num_embeds={self.num_embeds()})"
 
     def to_bools(self) -> np.ndarray:
+        """The mask as a new bool array of length ``nbits``."""
         return kernels.mask_unpack(self._packed, self._nbits)
 
     def num_embeds(self) -> int:
+        """Number of set bits (embedding positions); computed once, then cached."""
         if self._num_embeds is None:
             self._num_embeds = kernels.mask_popcount(self._packed, self._nbits)
         return self._num_embeds
@@ -218,6 +224,7 @@ class PlaceholderRange:
 
     @functools.cached_property  # cached like vLLM's (frozen dataclasses allow it: it writes __dict__)
     def embeds_cumsum(self) -> list[int] | None:
+        """Inclusive cumulative sum of ``is_embed`` as a list (vLLM's type), None without a mask; cached."""
         return embeds_cumsum(self.length, self.is_embed)
 
     def extract_embeds_range(self) -> list[tuple[int, int]]:

@@ -177,6 +177,7 @@ class ErrorBoundary(_Boundary, grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[_Req, _Resp] | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
+        """The handler of the call, wrapped so that its errors reach the client as status codes."""
         return self._wrap(continuation(handler_call_details), handler_call_details.method)
 
 
@@ -191,4 +192,5 @@ class AioErrorBoundary(_Boundary, grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
+        """The handler of the call, wrapped so that its errors reach the client as status codes."""
         return self._wrap(await continuation(handler_call_details), handler_call_details.method)

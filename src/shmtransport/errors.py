@@ -59,6 +59,7 @@ class ShmTransportError(Exception):
 
     @property
     def message(self) -> str:
+        """The message alone, without the reason or fields."""
         return str(self.args[0]) if self.args else ""
 
     def __repr__(self) -> str:
@@ -68,6 +69,8 @@ class ShmTransportError(Exception):
 
 
 class InvalidArgument(ShmTransportError, ValueError):
+    """A value the call cannot accept (out of range, malformed, over a limit); also a ``ValueError``."""
+
     default_reason = Reason.INVALID_ARGUMENT
 
 
@@ -82,26 +85,38 @@ class HandleError(ShmTransportError):
 
 
 class OwnershipError(ShmTransportError):
+    """An operation only the object's producer (or lease holder) may do."""
+
     default_reason = Reason.NOT_OWNER
 
 
 class StateError(ShmTransportError):
+    """An operation the object's state does not allow (already committed, already released)."""
+
     default_reason = Reason.WRONG_STATE
 
 
 class ResourceExhausted(ShmTransportError):
+    """No room: arena full, a quota or a limit reached (the reason says which)."""
+
     default_reason = Reason.ARENA_FULL
 
 
 class PermissionDenied(ShmTransportError):
+    """Not allowed: an unknown session, a uid not admitted, or a path that belongs to someone else."""
+
     default_reason = Reason.PERMISSION_DENIED
 
 
 class Unavailable(ShmTransportError):
+    """The daemon cannot be reached, or the handle is of another daemon instance."""
+
     default_reason = Reason.DAEMON_UNAVAILABLE
 
 
 class IdentityMismatch(ShmTransportError):
+    """Bytes whose digest is not the identity the handle claims (``verify()``)."""
+
     default_reason = Reason.IDENTITY_MISMATCH
 
 
@@ -112,6 +127,8 @@ class ClosedError(ShmTransportError):
 
 
 class DeadlineExceeded(ShmTransportError, TimeoutError):
+    """The call's deadline passed; also a ``TimeoutError``."""
+
     default_reason = Reason.DEADLINE_EXCEEDED
 
 
@@ -122,6 +139,8 @@ class MissingDependency(ShmTransportError, ImportError):
 
 
 class InternalError(ShmTransportError):
+    """A bug or an unexpected failure on the other side; not caused by the request."""
+
     default_reason = Reason.INTERNAL
 
 

@@ -59,6 +59,8 @@ assert SLOT_DTYPE.itemsize == HOLD_DTYPE.itemsize == SLOT_NBYTES
 
 
 class SlotStatus(enum.IntEnum):
+    """Outcome of a slot operation, as the C kernels return it; ``raise_for`` turns a refusal into an error."""
+
     OK = 0
     STALE = 1
     NOT_COMMITTED = 2

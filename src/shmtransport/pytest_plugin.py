@@ -81,6 +81,7 @@ def pytest_plugin_registered(plugin: object, plugin_name: str, manager: pytest.P
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the plugin's command-line options ``--shm-arena-size`` and ``--shm-keep-on-failure``."""
     group = parser.getgroup("shmtransport", "shmtransport shared-memory fixtures")
     group.addoption(
         "--shm-arena-size",
@@ -101,6 +102,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``shm_leak_check`` marker."""
     config.addinivalue_line(
         "markers",
         "shm_leak_check: fail the test if it leaves /dev/shm entries, open fds, child processes or "
@@ -124,6 +126,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keep each phase's report of tests that check leaks or use a daemon, for the fixtures' teardown."""
     report = yield
     if item.stash.get(_check_key, None) is not None or _uses_daemon(item):
         item.stash.setdefault(_reports_key, {})[report.when] = report
@@ -144,6 +147,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """List the daemon sockets and segments kept by ``--shm-keep-on-failure``, and how to remove them."""
     kept = config.stash.get(_kept_key, [])
     if not kept:
         return

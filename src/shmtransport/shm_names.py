@@ -25,6 +25,7 @@ def validate_prefix(prefix: str) -> str:
 
 
 def new_instance_id() -> str:
+    """A fresh random instance id: 12 lowercase hex digits."""
     return secrets.token_hex(_INSTANCE_HEX // 2)
 
 
@@ -34,10 +35,12 @@ def tenant_base(prefix: str, instance_id: str, tenant_index: int) -> str:
 
 
 def arena_name(base: str) -> str:
+    """The name of the arena segment of ``base`` (``{prefix}-{instance}-t{tenant}``)."""
     return f"{base}-arena"
 
 
 def table_name(base: str) -> str:
+    """The name of the object-table segment of ``base`` (``{prefix}-{instance}-t{tenant}``)."""
     return f"{base}-objects"
 
 
@@ -83,6 +86,7 @@ def of_some_instance(prefix: str, name: str) -> bool:
 
 
 def is_dedicated_of_some_instance(prefix: str, name: str) -> bool:
+    """Whether ``name`` is a dedicated segment of any instance using ``prefix``."""
     return re.fullmatch(rf"{re.escape(prefix)}-[0-9a-f]{{{_INSTANCE_HEX}}}-t[0-9]+-obj[0-9]+-[0-9a-f]+",
                         name) is not None
 

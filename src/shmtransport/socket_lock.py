@@ -105,6 +105,7 @@ class SocketClaim:
 
     @property
     def closed(self) -> bool:
+        """Whether ``release()`` has run."""
         return self._lock_fd < 0
 
     def remove_leftover(self) -> bool:
@@ -113,6 +114,7 @@ class SocketClaim:
         return _unlink_socket(self._dir_fd, self._name)
 
     def release(self) -> None:
+        """Unlink the socket and its lock file while still holding the lock, then close; idempotent."""
         if self.closed:
             return
         _unlink_socket(self._dir_fd, self._name)  # still ours: we hold the lock

@@ -37,6 +37,7 @@ MAX_NBYTES = 2**63 - 1  # int64: what the wire, numpy and torch can count
 
 
 def dtype_from_name(name: str) -> np.dtype:
+    """The numpy dtype of a wire dtype name; InvalidArgument for one not in ``DTYPES``."""
     try:
         return DTYPES[name]
     except KeyError:

@@ -29,6 +29,7 @@ _FRAME_HEADER = struct.Struct(">I")
 
 
 def framed(payload: bytes) -> bytes:
+    """``payload`` as one handshake frame: its 4-byte big-endian length, then the bytes."""
     return _FRAME_HEADER.pack(len(payload)) + payload
 
 

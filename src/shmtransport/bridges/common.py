@@ -18,11 +18,14 @@ class Unrepresentable(InvalidArgument):
 
 
 def unrepresentable(target: str, control: str, why: str) -> Unrepresentable:
+    """The error for a ``control`` that ``target`` cannot express, saying ``why``."""
     return Unrepresentable(f"{control}: cannot be represented by {target} ({why})")
 
 
 @dataclasses.dataclass
 class ItemPayload:
+    """One feature item copied out of shared memory: its placement, identity and kwargs, with no lease held."""
+
     modality: str
     placeholder: PlaceholderRange
     mm_hash: str

@@ -81,6 +81,7 @@ class SmgRequest:
         self.handles = handles
 
     def release(self) -> None:
+        """Release the dedicated segments of the request's tensors; idempotent."""
         if self.handles:
             handles, self.handles = self.handles, []
             self._producer.release(handles)

@@ -47,6 +47,8 @@ def _candidates(k: int) -> vpb.CandidateTokens:
 
 def to_vllm_grpc(req: gpb.GenerateRequest, consumer: Consumer | None = None, *,
                  limits: Limits = DEFAULT_LIMITS) -> vpb.GenerateRequest:
+    """vLLM's gRPC ``GenerateRequest`` for ``req``, features re-inlined (read through ``consumer``);
+    Unrepresentable for a control the schema cannot express."""
     tokens = prompt_token_ids(req)
     sp = project_sampling(req)
     kw = sp.kwargs

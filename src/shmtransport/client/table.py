@@ -241,6 +241,8 @@ class TableClient:
         return False
 
     def commit(self, obj: Placed, hold_ms: int = 0) -> None:
+        """Make ``obj`` readable, held for ``hold_ms`` (0: the hand-off window, which the first
+        acquire ends); InvalidArgument past ``max_hold_ms``, StateError if already committed."""
         if hold_ms > self.max_hold_ms:
             raise InvalidArgument(f"hold_ms={hold_ms} exceeds the maximum {self.max_hold_ms}")
         if obj.committed:
@@ -252,6 +254,7 @@ class TableClient:
         obj.committed, obj.hold = True, bool(hold_ms)
 
     def owned(self, slot: int, generation: int) -> Placed | None:
+        """The object this producer placed at ``slot`` in that generation; None if it is not one."""
         obj = self._placed.get(slot)
         return obj if obj is not None and obj.generation == generation else None
 
@@ -306,6 +309,8 @@ class TableClient:
 
     # -- consumer --------------------------------------------------------------------------------
     def acquire(self, slot: int, generation: int, offset: int, nbytes: int) -> None:
+        """Take one more lease on the object; the first sets this client's hold bit, checked
+        against the handle (a refusal raises as ``raise_for`` says)."""
         key = (slot, generation)
         count = self._leases.get(key, 0)
         if count == 0:
@@ -316,6 +321,8 @@ class TableClient:
         self._leases[key] = count + 1
 
     def release_lease(self, slot: int, generation: int) -> None:
+        """Drop one lease; the last clears this client's hold bit. StateError (DOUBLE_RELEASE)
+        if this client holds none."""
         key = (slot, generation)
         count = self._leases.get(key, 0)
         if count == 0:
@@ -329,6 +336,7 @@ class TableClient:
 
     @property
     def lease_count(self) -> int:
+        """Leases this client holds through the table, counting each object's repeats."""
         return sum(self._leases.values())
 
     # -- the end ---------------------------------------------------------------------------------

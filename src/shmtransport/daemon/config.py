@@ -33,6 +33,8 @@ def default_arena_nbytes() -> int:
 
 @dataclasses.dataclass
 class DaemonConfig:
+    """Everything a ``Daemon`` is started with; ``None`` fields take a default computed at start."""
+
     socket_path: str = dataclasses.field(default_factory=default_socket_path)
     arena_nbytes: int | None = None  # None: default_arena_nbytes()
     name_prefix: str = "shmt"
@@ -72,6 +74,7 @@ class DaemonConfig:
 
     @property
     def session_socket_path(self) -> str:
+        """Path of the session-handshake socket, next to the gRPC one."""
         return self.socket_path + ".session"
 
     @property
@@ -86,6 +89,7 @@ class DaemonConfig:
         return 0o600
 
     def resolved_object_slots(self, arena_nbytes: int) -> int:
+        """Slots of a tenant's object table for an arena of ``arena_nbytes``: a multiple of 64; 0 for none."""
         if self.object_slots is None:
             return min(65536, max(1024, arena_nbytes // PAGE // 64 * 64))
         if self.object_slots < 0:

@@ -68,6 +68,8 @@ _NO_OWNER = HANDOFF_BIT  # not a session bit: the owner of an object whose produ
 
 @dataclasses.dataclass
 class Grant:
+    """A run of arena bytes and table slots a producer places objects in itself."""
+
     grant_id: int
     session_id: str | None  # None: orphaned (its producer is gone), freed once all objects died
     offset: int
@@ -95,12 +97,17 @@ class SessionHoldings(NamedTuple):
 
 @dataclasses.dataclass
 class ProxyLease:
+    """A lease the daemon holds with its proxy bit for a client that has no bit of its own."""
+
     slot: int
     generation: int
     session_id: str
 
 
 class ObjectBook:
+    """The daemon's side of one tenant's object table: session bits, grants, proxy leases, and
+    the janitor's passes (hand-off windows, forged holds); called under the tenant's lock."""
+
     def __init__(self, slots: Segment, holds: Segment, nslots: int, handoff_window_ms: int,
                  max_hold_ms: int = 60_000):
         """``slots`` and ``holds``: the table's two sealed segments (``objtable``), each of
@@ -167,6 +174,7 @@ class ObjectBook:
         return ClosedHoldings(held, leases, loans, freed_nbytes)
 
     def bit_of(self, session_id: str) -> int | None:
+        """The holder bit of a live session, None when it has none (no bit was free)."""
         return self._bits.get(session_id)
 
     # -- grants ----------------------------------------------------------------------------------
@@ -237,6 +245,7 @@ class ObjectBook:
 
     @property
     def granted_nbytes(self) -> int:
+        """Arena bytes in grants now, parked ones included."""
         return sum(g.nbytes for g in self._grants.values())
 
     @property
@@ -328,6 +337,8 @@ class ObjectBook:
 
     # -- holds on behalf of clients without a bit ------------------------------------------------
     def proxy_acquire(self, session_id: str, handle: pb.Handle, lease_id: int) -> None:
+        """Hold the object ``handle`` names with the proxy bit for the session's lease ``lease_id``;
+        typed errors when it is not that live, committed object."""
         slot, gen = self._slot_of(handle), handle.generation
         key = (slot, gen)
         if key in self._proxy_counts:
@@ -349,9 +360,11 @@ class ObjectBook:
         self._slot_of(handle)
 
     def proxy_lease(self, lease_id: int) -> ProxyLease | None:
+        """The proxy lease ``lease_id``, None when there is none."""
         return self._proxy_leases.get(lease_id)
 
     def proxy_release(self, lease_id: int) -> None:
+        """End a proxy lease; the proxy bit goes when the object's last one ends."""
         self._drop_proxy(lease_id)
 
     def _drop_proxy(self, lease_id: int) -> None:
@@ -364,6 +377,7 @@ class ObjectBook:
 
     @property
     def proxy_leases(self) -> int:
+        """How many proxy leases are live."""
         return len(self._proxy_leases)
 
     def _slot_of(self, handle: pb.Handle) -> int:
@@ -390,6 +404,7 @@ class ObjectBook:
         return self.allocation_rate(window_s)
 
     def allocation_rate(self, window_s: float) -> float:
+        """Objects placed per second over the last ``window_s``, from the table's generations."""
         samples = self._allocation_samples
         if len(samples) < 2:
             return 0.0
@@ -465,6 +480,7 @@ class ObjectBook:
         return infos
 
     def close(self) -> None:
+        """Unmap the table (the daemon stops); its segments are unlinked by their owner."""
         self.table.close()
         for mapping in self._maps:
             mapping.close()

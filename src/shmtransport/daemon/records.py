@@ -12,12 +12,16 @@ from .segments import Segment
 
 
 class ObjState(enum.Enum):
+    """An RPC-path object's state: loaned (being written) or committed (readable)."""
+
     LOANED = "loaned"
     COMMITTED = "committed"
 
 
 @dataclasses.dataclass
 class Session:
+    """A client session the registry books: its identity, and what it holds."""
+
     session_id: str
     pid: int
     uid: int
@@ -45,6 +49,8 @@ class Session:
 
 @dataclasses.dataclass
 class Allocation:
+    """An object of the RPC path: its bytes, producer, holds and leases."""
+
     key: int  # in ``_objects``: the arena offset, or ``-generation`` for a dedicated segment
     nbytes: int
     generation: int
@@ -80,6 +86,8 @@ class LeaseRecord:
 
 @dataclasses.dataclass(frozen=True)
 class TenantLimits:
+    """A tenant's quotas, TTLs and hold caps (milliseconds), fixed at daemon start."""
+
     quota_nbytes: int | None  # per tenant: arena + dedicated bytes; None: the arena size
     quota_leases: int  # per tenant
     default_lease_ttl_ms: int

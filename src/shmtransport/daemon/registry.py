@@ -92,6 +92,9 @@ class _CommitWaiter:
 
 
 class Registry:
+    """One tenant's books: its sessions, loans, leases and grants, quotas, hand-off windows and
+    counters, behind one lock; objects in the object table are kept by its ``ObjectBook``."""
+
     def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: TenantLimits,
                  shm_reserve: ShmReserve | None = None, segment_owner: tuple[int, int] | None = (-1, -1),
                  tenant: str = "", objects: ObjectBook | None = None):
@@ -144,6 +147,7 @@ class Registry:
 
     @property
     def live_sessions(self) -> int:
+        """Sessions of this tenant open now (read without the lock: a snapshot)."""
         return len(self._sessions)
 
     def note_looked(self, session_id: str) -> None:
@@ -374,6 +378,7 @@ class Registry:
         return sizes
 
     def dedicated_names(self) -> list[str]:
+        """The names in /dev/shm of this tenant's live dedicated segments, sorted."""
         with self._lock:
             return sorted(self._dedicated)
 
@@ -385,6 +390,8 @@ class Registry:
             seg.unlink()
 
     def commit(self, session_id: str, handles: Sequence[pb.Handle], hold_ms: int) -> None:
+        """Seal the session's loans ``handles`` (all or none): each is handed off, or held for
+        ``hold_ms`` (0: the tenant's default, at most ``max_hold_ms``)."""
         self._check_batch(handles, "handles")
         handles = list(handles)
         hold_ms = hold_ms or self.limits.default_hold_ms
@@ -678,6 +685,7 @@ class Registry:
                                    clients=self._client_stats())
 
     def stat(self) -> pb.StatResponse:
+        """This tenant's state now: arena use, objects, leases, sessions, counters (saturated)."""
         with self._lock:
             self._prune_rate_window(time.monotonic())
             recent = len(self._alloc_times)

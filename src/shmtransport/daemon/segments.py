@@ -39,6 +39,7 @@ _UNLIMITED = 1 << 62
 
 
 def shm_free_nbytes() -> int:
+    """Bytes still free in ``/dev/shm`` for an unprivileged process (``f_bavail``)."""
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
 
@@ -89,6 +90,7 @@ def _cgroup_headroom_nbytes() -> int:
 
 
 def memory_advice(nbytes: int) -> str:
+    """A hint for an operator whose daemon lacks memory for an arena of ``nbytes``."""
     mib = -(-(nbytes + MEMORY_HEADROOM_NBYTES) // (1 << 20))
     return (
         f"the arena and object table are the daemon's own memory: give it at least {mib} MiB "
@@ -97,6 +99,7 @@ def memory_advice(nbytes: int) -> str:
 
 
 def shm_size_advice(nbytes: int) -> str:
+    """A hint for an operator whose ``/dev/shm`` is too small to hold ``nbytes``."""
     mib = -(-nbytes // (1 << 20))
     return (
         f"/dev/shm must hold at least {mib} MiB: run the container with --shm-size={mib}m "
@@ -170,6 +173,7 @@ class Segment:
 
     @property
     def closed(self) -> bool:
+        """Whether ``unlink()`` has closed the segment (or it was never opened)."""
         return self._fd < 0
 
     @property
@@ -286,6 +290,7 @@ class ShmReserve:
         self._lock = threading.Lock()
 
     def create(self, name: str, nbytes: int, owner_uid: int = -1, owner_gid: int = -1) -> Segment:
+        """A new dedicated segment; ResourceExhausted (SHM_TOO_SMALL) if it would eat into the reserve."""
         with self._lock:
             free = shm_free_nbytes()
             if free - nbytes < self.reserve_nbytes:

@@ -119,6 +119,7 @@ class CallShare:
         self._lock = threading.Lock()
 
     def enter(self, tenant_key: str) -> None:
+        """Count a call in; ResourceExhausted (TENANT_BUSY) when the tenant's share is in use. Thread-safe."""
         with self._lock:
             if self._running >= self.limit:
                 raise ResourceExhausted(f"tenant {tenant_key} has {self.limit} calls in progress, its share of the "
@@ -126,6 +127,7 @@ class CallShare:
             self._running += 1
 
     def leave(self) -> None:
+        """Count a call out; once for every ``enter`` that succeeded."""
         with self._lock:
             self._running -= 1
 
@@ -336,6 +338,7 @@ class Daemon:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Daemon":
+        """Claim the socket, create the segments and serve; returns self. A failed start leaves nothing behind."""
         if self._state != "new":
             raise StateError(f"daemon already {self._state}")
         cfg = self.config
@@ -448,6 +451,7 @@ class Daemon:
         return Admission(tenant, hello, tuple(fds))
 
     def arena_info_of(self, tenant: Tenant) -> pb.ArenaInfo:
+        """What a client of ``tenant`` is told about its arena in the handshake."""
         return pb.ArenaInfo(instance_id=self.instance_id, segment_name=tenant.segment.name,
                             nbytes=tenant.segment.nbytes, shm_namespace=self._shm_namespace)
 
@@ -557,10 +561,12 @@ class Daemon:
 
     @property
     def closed(self) -> bool:
+        """Whether the daemon was stopped."""
         return self._state == "stopped"
 
     @property
     def socket_path(self) -> str:
+        """The gRPC socket clients connect to."""
         return self.config.socket_path
 
     @property

@@ -84,6 +84,7 @@ _Tenant = TypeVar("_Tenant")  # what the daemon admits a peer to (its ``Tenant``
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
     return _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
 
 
@@ -172,6 +173,7 @@ class SessionServer(Generic[_Tenant]):
         self._stopping = False
 
     def start(self) -> None:
+        """Start the selector thread."""
         self._thread.start()
 
     def session_for_token(self, token: str) -> tuple[str, _Tenant] | None:
@@ -181,6 +183,7 @@ class SessionServer(Generic[_Tenant]):
         return None if opened is None else (opened.session_id, opened.tenant)
 
     def stop(self) -> None:
+        """Stop the thread, drop every open and pending connection and remove the socket; once."""
         self._stopping = True
         os.write(self._wake_w, b"x")
         if self._thread.ident is not None:  # a failed daemon start may never have started it

@@ -47,6 +47,7 @@ class SocketClaim:
 
     @property
     def closed(self) -> bool:
+        """Whether ``release()`` has run."""
         return self._lock_fd < 0
 
     def release(self) -> None:

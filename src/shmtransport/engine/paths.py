@@ -46,6 +46,8 @@ HOST_COPIES = {"ours": 1, "stock-shm": 5, "stock-inline": 4}
 
 @dataclasses.dataclass
 class Completion:
+    """What one path produced for a request: tokens, logprobs, and timings in seconds."""
+
     token_ids: list[int]
     logprobs: list[float]
     first_token_s: float  # request built and sent -> first token back

@@ -34,6 +34,7 @@ STOCK_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
 
 
 def free_port() -> int:
+    """A TCP port on the loopback that was free a moment ago (another process may take it first)."""
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
@@ -73,6 +74,7 @@ class EngineServer:
         return self
 
     def start(self, timeout_s: float = 300.0) -> "EngineServer":
+        """Launch and wait up to ``timeout_s`` until it serves; returns self, or stops it and raises."""
         self.launch()
         try:
             self.wait_serving(timeout_s)
@@ -133,12 +135,14 @@ class EngineServer:
         return False
 
     def log_tail(self, nbytes: int = 6000) -> str:
+        """The last ``nbytes`` of the server's log, for error messages; empty if unreadable."""
         try:
             return self.log_path.read_bytes()[-nbytes:].decode("utf-8", "replace")
         except OSError:
             return ""
 
     def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``; idempotent."""
         proc, self.proc = self.proc, None
         if proc is None:
             return

@@ -44,11 +44,14 @@ class Rendered:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all the item's kwargs tensors."""
         return sum(int(v.nbytes) for v in self.kwargs.values())
 
 
 @dataclasses.dataclass
 class Prompt:
+    """A rendered request: the prompt's token ids (placeholders expanded) and its feature items."""
+
     token_ids: list[int]
     features: list[FeatureItem]
 
@@ -100,6 +103,7 @@ class Qwen2VLRenderer:
         return Rendered(modality, {pixel_key: pixels, grid_key: grid}, fields, int(grid.prod()) // self.merge ** 2)
 
     def image(self, image: Image.Image) -> Rendered:
+        """Render one image (its pixel values as given: no rescaling, no normalization)."""
         out = self.image_processor(images=[image], return_tensors="np", do_rescale=False, do_normalize=False)
         return self._item("image", out["pixel_values"], out["image_grid_thw"][0])
 

@@ -97,6 +97,7 @@ def engine_prompt(prompt_token_ids: list[int], inputs: EngineInputs) -> dict[str
 
 
 def sampling_params(request: gpb.GenerateRequest) -> Any:
+    """vLLM's ``SamplingParams`` for ``request`` (delta outputs); InvalidArgument for a sampling mask."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -201,6 +202,7 @@ def _chunk(completion: Any, *, params_logprobs: bool) -> gpb.GenerateStreamChunk
 
 
 async def serve(args: argparse.Namespace) -> None:
+    """Load the engine and serve the generator over gRPC on ``args.address`` until SIGTERM or SIGINT."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -319,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """``shmtransport vllm-worker``: parse vLLM's flags and ours, then ``run``; the exit status."""
     return run(build_parser().parse_args(argv))
 
 

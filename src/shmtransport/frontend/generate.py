@@ -59,10 +59,12 @@ class Item:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all the item's tensors, wherever they live."""
         return sum(_nbytes(v) for v in self.kwargs.values())
 
     @property
     def in_place(self) -> int:
+        """Bytes of the tensors already in shared memory (loans and handles): sent without a copy."""
         return sum(_nbytes(v) for v in self.kwargs.values() if isinstance(v, (Handle, Loan)))
 
 
@@ -74,6 +76,8 @@ def _nbytes(v: Any) -> int:
 
 @dataclasses.dataclass
 class Prepared:
+    """A built request not yet sent, with what its building cost (bytes in shm and inline, host copies)."""
+
     request: gpb.GenerateRequest
     built: BuiltRequest
     owned: list[Handle]
@@ -87,6 +91,8 @@ class Prepared:
 
 @dataclasses.dataclass
 class Outcome:
+    """What a request got back, with its timings (``perf_counter`` seconds) and transport costs."""
+
     request_id: str
     token_ids: list[int]
     finish_reason: int
@@ -105,6 +111,7 @@ class Outcome:
 
     @property
     def latency_s(self) -> float:
+        """Seconds from the start of building to the last chunk."""
         return self.t_end - self.t_start
 
     @property
@@ -114,6 +121,9 @@ class Outcome:
 
 
 class Frontend:
+    """A client of one worker's ``Generator`` over gRPC; its tensors go through ``producer`` (None:
+    inline only). A context manager."""
+
     def __init__(self, address: str, producer: Producer | None = None, *, timeout_s: float = 60.0,
                  limits: Limits = DEFAULT_LIMITS, scheme: str = DEFAULT_SCHEME, inline: InlinePolicy = DEFAULT_INLINE):
         self.address = address
@@ -127,6 +137,7 @@ class Frontend:
         self.stub = gpb_grpc.GeneratorStub(self._channel)
 
     def close(self) -> None:
+        """Close the gRPC channel."""
         self._channel.close()
 
     def __enter__(self) -> "Frontend":
@@ -136,6 +147,7 @@ class Frontend:
         self.close()
 
     def server_info(self) -> gpb.ServerInfo:
+        """The worker's ``ServerInfo``; its errors raised as typed ``ShmTransportError``s."""
         try:
             info: gpb.ServerInfo = self.stub.GetServerInfo(gpb.ServerInfoRequest(), timeout=self.timeout_s)
             return info
@@ -147,6 +159,8 @@ class Frontend:
               adapter: str | None = None, sampling: dict[str, Any] | None = None,
               stopping: dict[str, Any] | None = None, request_id: str | None = None,
               t_start: float | None = None) -> Prepared:
+        """Turn ``items`` and ``text`` into a request, tensors in shared memory (``mode="shm"``) or
+        inline; on failure the handles it owned are released."""
         t_start = time.perf_counter() if t_start is None else t_start
         items = self._commit_loans(items, mode)
         owned = [h for it in items for h in it.owned]
@@ -261,6 +275,7 @@ class Frontend:
     def generate(self, items: Sequence[Item], text: str = "describe this", *, stream: bool = True,
                  cancel_after: int | None = None, metadata: Sequence[tuple[str, str]] | None = None,
                  **build_options: Any) -> Outcome:
+        """``build`` then ``send``: run one request and return its outcome."""
         return self.send(self.build(items, text, **build_options), stream=stream, cancel_after=cancel_after,
                          metadata=metadata)
 

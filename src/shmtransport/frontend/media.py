@@ -113,6 +113,7 @@ class Renderer:
         self.audio_extractor = WhisperFeatureExtractor()
 
     def image(self, image: Image.Image) -> dict[str, np.ndarray]:
+        """Qwen2-VL's kwargs of one image: ``pixel_values`` and ``image_grid_thw``."""
         out = self.image_processor(images=[image], return_tensors="np")
         return {"pixel_values": np.asarray(out["pixel_values"]), "image_grid_thw": np.asarray(out["image_grid_thw"])}
 
@@ -181,16 +182,19 @@ class Renderer:
         return out
 
     def audio(self, wave: np.ndarray) -> dict[str, np.ndarray]:
+        """Whisper features of one wave at ``SAMPLE_RATE``, as a (mel bins, frames) view."""
         out = self.audio_extractor(wave, sampling_rate=SAMPLE_RATE, return_tensors="np")
         feats = np.asarray(out["input_features"])
         return {"input_features": feats.reshape(feats.shape[-2], feats.shape[-1])}  # a view, no copy
 
 
 def video_shape(grid: tuple[int, int, int]) -> tuple[int, int]:
+    """Shape of a video's flattened patches for its (t, h, w) patch grid; h and w must be multiples of the merge."""
     t, h, w = grid
     assert h % MERGE == 0 and w % MERGE == 0
     return (t * h * w, PATCH_DIM)
 
 
 def as_numpy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with every value as a numpy array (tensors converted, arrays as they are)."""
     return {k: np.asarray(v) for k, v in kwargs.items()}

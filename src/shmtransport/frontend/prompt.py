@@ -24,6 +24,7 @@ from ..protocol import spec as m
 
 
 def tokenize(text: str) -> list[int]:
+    """Deterministic ids for the words of ``text`` (a hash per word into the text range, no vocabulary)."""
     out = []
     for word in text.split():
         h = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little")
@@ -64,6 +65,8 @@ def item_span(modality: str, kwargs: dict[str, Any]) -> tuple[list[int], np.ndar
 
 @dataclasses.dataclass
 class ExpandedPrompt:
+    """Token ids of the whole prompt and the placeholder span of each item, in item order."""
+
     token_ids: list[int]
     placeholders: list[PlaceholderRange]
 

@@ -103,6 +103,7 @@ class BuiltRequest:
         self.inline_nbytes = inline_nbytes  # tensor bytes carried in the message itself
 
     def release(self) -> None:
+        """Drop the producer's references to the request's tensors; idempotent."""
         if self.handles and self._producer is not None:
             handles, self.handles = self.handles, []
             self._producer.release(handles)
@@ -115,6 +116,7 @@ class BuiltRequest:
 
 
 def placeholder_to_proto(p: PlaceholderRange) -> fpb.PlaceholderRange:
+    """The wire form of a placeholder; InvalidArgument if its positions exceed uint32."""
     if p.offset + p.length > U32_MAX:
         raise InvalidArgument(f"placeholder [{p.offset}, {p.offset + p.length}) does not fit uint32 positions")
     msg = fpb.PlaceholderRange(offset=p.offset, length=p.length)

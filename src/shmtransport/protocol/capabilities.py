@@ -14,6 +14,7 @@ __all__ = ["server_info", "same_shm_namespace", "ServerInfoServicer"]
 
 def server_info(limits: Limits = DEFAULT_LIMITS, *, native_generate: bool = False,
                 dedicated_segments: bool = True) -> gpb.ServerInfo:
+    """The ``ServerInfo`` a generator advertises for these limits and features."""
     return gpb.ServerInfo(
         shm_namespace_id=shm_namespace_id(), identity_schemes=list(SCHEMES),
         supports_native_generate=native_generate, max_items=limits.max_items,

@@ -42,6 +42,7 @@ def _logprobs(values: Iterable[float], where: str) -> list[float]:
 
 
 def check_sampling_mask(mask: gpb.SamplingMask, num_tokens: int) -> None:
+    """Raise MalformedResponse unless ``mask`` is a well-formed CSR of ``num_tokens`` rows."""
     offsets = list(mask.offsets)
     if not offsets:
         raise MalformedResponse(f"sampling_mask: no offsets ({len(mask.token_ids)} token ids, {num_tokens} "
@@ -66,6 +67,7 @@ def mask_rows(mask: gpb.SamplingMask) -> list[list[int]]:
 
 def fold(chunks: Iterable[gpb.GenerateStreamChunk], *, request_id: str = "",
          require_mask: bool = False) -> gpb.GenerateResponse:
+    """One ``GenerateResponse`` from a stream's chunks; MalformedResponse on any rule the stream breaks."""
     out = gpb.GenerateResponse(request_id=request_id)
     terminal = None
     has_logprobs = has_top = None

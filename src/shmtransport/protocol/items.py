@@ -17,6 +17,7 @@ _PB_TO_KIND: dict[int, str] = {v: k for k, v in _KIND_TO_PB.items()}
 
 
 def modality_to_pb(name: str) -> int:
+    """The wire enum value of a modality name; InvalidArgument for an unknown one."""
     try:
         return _MODALITY_TO_PB[name]
     except KeyError:
@@ -24,6 +25,7 @@ def modality_to_pb(name: str) -> int:
 
 
 def modality_from_pb(value: int) -> str:
+    """The modality name of a wire enum value; InvalidArgument for UNSPECIFIED or unknown."""
     try:
         return _PB_TO_MODALITY[value]
     except KeyError:

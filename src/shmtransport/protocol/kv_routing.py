@@ -56,6 +56,8 @@ __all__ = ["RoutingItem", "RoutingIdentity", "routing_identity", "routing_tokens
 
 @dataclasses.dataclass(frozen=True)
 class RoutingItem:
+    """One multimodal item as routing sees it: its placeholder span, embed mask and content identity."""
+
     modality: str
     offset: int
     length: int
@@ -65,6 +67,8 @@ class RoutingItem:
 
 @dataclasses.dataclass
 class RoutingIdentity:
+    """What a KV router keys a request on: the routing token stream and its block and sequence hashes."""
+
     tokens: list[int]               # routing token stream (pads at embed positions) or plain tokens
     block_hashes: list[int]
     sequence_hashes: list[int]
@@ -72,10 +76,12 @@ class RoutingIdentity:
 
     @property
     def multimodal(self) -> bool:
+        """Whether the identity is multimodal-aware (False: it fell back to tokens only)."""
         return self.fallback_reason is None
 
 
 def salt_seed(cache_namespace: str | None = None, lora_name: str | None = None) -> int:
+    """The block-hash seed for a cache namespace and LoRA name (Dynamo's ``compute_salt_hash``), as a u64."""
     seed = XXH3_SEED
     if lora_name:
         seed += xxhash.xxh3_64_intdigest(lora_name.encode("utf-8"))
@@ -103,6 +109,7 @@ def block_hashes(tokens: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE, se
 
 
 def sequence_hashes(blocks: Sequence[int]) -> list[int]:
+    """The chain of sequence hashes over ``blocks`` (unsalted: the salt is in every block hash)."""
     # the chain is never salted: the salt is already in every block hash
     out: list[int] = []
     for b in blocks:
@@ -148,6 +155,8 @@ def routing_tokens(token_ids: Sequence[int], items: Sequence[RoutingItem]) -> tu
 
 def routing_identity(token_ids: Sequence[int], items: Sequence[RoutingItem], *, block_size: int = DEFAULT_BLOCK_SIZE,
                      cache_namespace: str | None = None, lora_name: str | None = None) -> RoutingIdentity:
+    """The routing identity of a prompt and its items; falls back to token-only routing (logged) for
+    an ambiguous layout."""
     tokens, reason = routing_tokens(token_ids, items)
     if reason is not None:
         log.info("kv routing falls back to token-only routing: %s", reason)

@@ -17,6 +17,8 @@ MIB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
+    """The bounds a request is checked against; bytes unless named otherwise, None for unbounded."""
+
     # inline path (kwargs MessagePack or TensorData.inline): vLLM's RESOURCE_EXHAUSTED limits
     max_inline_items: int = 64
     max_inline_bytes: int = 16 * MIB

@@ -190,6 +190,7 @@ class DecodedKwargs:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all the item's tensors."""
         return sum(memoryview(t[2]).nbytes for v in self.values.values() for t in _leaves(v))
 
     @property
@@ -217,6 +218,7 @@ def map_tensors(value: Any, convert: Callable[[_RawTensor], Any]) -> Any:
 
 
 def decode_kwargs_item(raw: Any, limits: Limits = DEFAULT_LIMITS) -> DecodedKwargs:
+    """Decode and validate one kwargs item (vLLM's MessagePack) within ``limits``; InvalidArgument if malformed."""
     try:
         raw = bytes(memoryview(raw).cast("B")) if not isinstance(raw, bytes) else raw
     except TypeError:

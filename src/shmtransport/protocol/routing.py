@@ -38,6 +38,7 @@ __all__ = ["hash_mm_identifier", "routing_marker", "check_marker_format", "pad_v
 
 
 def hash_mm_identifier(identifier: str) -> int | None:
+    """Dynamo's routing hash (u64) of an identifier; None for an empty one."""
     if not identifier:
         return None
     if _HEX64.fullmatch(identifier):
@@ -46,6 +47,7 @@ def hash_mm_identifier(identifier: str) -> int | None:
 
 
 def routing_marker(identity: str) -> str:
+    """The routing marker of an identity: 16 lowercase hex digits of its hash, then 48 ``0``."""
     u64 = hash_mm_identifier(identity)
     if u64 is None:
         raise InvalidArgument("cannot derive a routing marker from an empty identity")
@@ -66,6 +68,7 @@ def pad_value(marker_or_identity: str) -> int:
 
 
 def check_marker_format(marker: Any) -> str:
+    """``marker`` if it is a well-formed routing marker; InvalidArgument otherwise."""
     if not isinstance(marker, str) or not marker:
         raise InvalidArgument("routing marker must be a non-empty str")
     if not _MARKER.fullmatch(marker):
@@ -74,6 +77,7 @@ def check_marker_format(marker: Any) -> str:
 
 
 def check_marker_matches(marker: str, identity: str, where: str) -> None:
+    """IdentityMismatch (naming ``where``) unless ``marker`` is the routing marker of ``identity``."""
     expected = routing_marker(identity)
     if marker != expected:
         raise IdentityMismatch(f"{where}: routing marker {marker} does not match the payload ({expected})")

@@ -86,6 +86,7 @@ def _check(name: str, v: Any) -> Any:
 
 
 def prompt_token_ids(req: gpb.GenerateRequest) -> list[int]:
+    """The request's prompt token ids; InvalidArgument for a text prompt, a missing or an empty one."""
     which = req.WhichOneof("prompt")
     if which == "text":
         raise InvalidArgument("prompt: a text prompt is not accepted: send token_ids (tokenize on the frontend)")
@@ -97,6 +98,7 @@ def prompt_token_ids(req: gpb.GenerateRequest) -> list[int]:
 
 
 def project_sampling(req: gpb.GenerateRequest) -> EngineSampling:
+    """vLLM ``SamplingParams`` kwargs of the request's controls (omitted ones absent), each value checked."""
     kwargs: dict[str, Any] = {}
     explicit: set[str] = set()
     for msg, table in ((req.sampling, SAMPLING_FIELDS), (req.stopping, STOPPING_FIELDS),

@@ -23,5 +23,6 @@ INGEST_KEY = "x-shmt-ingest"  # which of the worker's ingests opens the request 
 
 
 def grpc_options(max_message: int) -> list[tuple[str, int]]:
+    """Channel and server options: messages up to ``max_message`` bytes both ways, no port sharing."""
     return [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message),
             ("grpc.so_reuseport", 0)]

@@ -36,6 +36,7 @@ def limit_exceeded(name: str, value: int, limit: int, field: str | None = None) 
 
 
 def check_modality_name(name: Any, limits: Limits = DEFAULT_LIMITS) -> str:
+    """``name`` if it is a known modality within the length limit; InvalidArgument otherwise."""
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"modality name must be a non-empty str, got {name!r}")
     if len(name.encode("utf-8")) > limits.max_modality_bytes:
@@ -46,6 +47,8 @@ def check_modality_name(name: Any, limits: Limits = DEFAULT_LIMITS) -> str:
 
 
 def check_hash(h: Any, limits: Limits = DEFAULT_LIMITS, what: str = "mm_hash") -> str:
+    """``h`` if it is a non-empty identity within ``max_hash_bytes``, safe as a cache key and path
+    component; InvalidArgument otherwise."""
     if not isinstance(h, str) or not h:
         raise InvalidArgument(f"{what} must be a non-empty str, got {h!r:.80}")
     if len(h.encode("utf-8")) > limits.max_hash_bytes:
@@ -144,6 +147,8 @@ def check_field_metadata(occurrences: dict[tuple[str, str], list[tuple[FieldConf
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CheckedTensor:
+    """One validated tensor: dtype, shape, byte count, and where its bytes are (a handle or bytes)."""
+
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
@@ -168,6 +173,8 @@ class CheckedItem:
 
 @dataclasses.dataclass
 class CheckedBatch:
+    """One validated batch: its modality, identity scheme, adapter and items."""
+
     modality: str
     scheme: str
     adapter: str
@@ -176,11 +183,14 @@ class CheckedBatch:
 
 @dataclasses.dataclass
 class CheckedRequest:
+    """A validated request: its batches of features, or its raw media."""
+
     batches: list[CheckedBatch]
     raw_media: list[fpb.RawMedia]
 
     @property
     def items(self) -> list[tuple[str, CheckedItem]]:
+        """Every item with its batch's modality, in request order."""
         return [(b.modality, it) for b in self.batches for it in b.items]
 
 

@@ -47,6 +47,7 @@ def load_nixl() -> ModuleType:
 
 
 def nixl_available() -> bool:
+    """Whether the NIXL package can be loaded in this process."""
     try:
         load_nixl()
     except NixlUnavailable:

@@ -37,6 +37,7 @@ def check_secret(secret: str | None) -> str | None:
 
 
 def secret_matches(metadata: Iterable[tuple[str, str | bytes]], secret: str) -> bool:
+    """Whether the call's metadata carries ``secret`` (compared in constant time)."""
     for key, value in metadata:
         if key == SECRET_METADATA_KEY:
             given = value.encode() if isinstance(value, str) else bytes(value)
@@ -69,6 +70,7 @@ class RemoteTLS:
     @classmethod
     def from_files(cls, cert_chain: str | os.PathLike[str], private_key: str | os.PathLike[str],
                    ca: str | os.PathLike[str], server_name: str | None = None) -> RemoteTLS:
+        """The PEM material read from these files."""
         def read(path: str | os.PathLike[str]) -> bytes:
             with open(path, "rb") as f:
                 return f.read()
@@ -76,14 +78,17 @@ class RemoteTLS:
         return cls(read(cert_chain), read(private_key), read(ca), server_name)
 
     def server_credentials(self) -> grpc.ServerCredentials:
+        """Daemon-side credentials; every peer must present a client certificate signed by ``ca``."""
         return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.ca,
                                            require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Reader-side credentials: this client's certificate, and ``ca`` to check the daemon's."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.private_key,
                                             certificate_chain=self.cert_chain)
 
     def channel_options(self) -> list[tuple[str, str]]:
+        """The channel options naming the expected server (``server_name``), if set."""
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     def __repr__(self) -> str:  # never the key

@@ -75,6 +75,7 @@ class RemoteExtension:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def install(self, server: grpc.Server) -> Callable[[], None]:
+        """Register the arena with NIXL once and serve the Remote service on ``server``; the undo (``stop``)."""
         daemon = self.daemon
         arena = daemon.tenants[0].segment  # sealed, nameless: mapped from the daemon's own fd
         self.nbytes = arena.nbytes
@@ -132,6 +133,7 @@ class RemoteExtension:
     # -- authentication --------------------------------------------------------------------------
     @property
     def auth_mode(self) -> str:
+        """How peers authenticate, for logs: shared secret, mutual TLS, both, or unauthenticated."""
         modes = [m for m, on in (("shared secret", self._secret), ("mutual TLS", self._tls)) if on is not None]
         return " + ".join(modes) or "unauthenticated"
 
@@ -151,6 +153,7 @@ class RemoteExtension:
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, peer: str) -> tuple[str, str]:
+        """Open a daemon session for a remote peer; its (session id, token). Thread-safe."""
         session_id = f"remote-{secrets.token_hex(6)}"
         token = secrets.token_hex(16)
         # pid 0: a remote peer. It copies the bytes out (no view), so its expired leases are reclaimed.
@@ -162,6 +165,7 @@ class RemoteExtension:
         return session_id, token
 
     def end_session(self, token: str) -> None:
+        """Close the session of ``token``, releasing its leases; unknown tokens are ignored."""
         with self._lock:
             session_id = self._tokens.pop(token, None)
         if session_id is not None:
@@ -174,6 +178,7 @@ class RemoteExtension:
             _log.exception("closing remote session %s failed", session_id)
 
     def session_for(self, context: grpc.ServicerContext) -> str:
+        """The session id of the call's token; PermissionDenied if it has none or an unknown one."""
         for key, value in context.invocation_metadata():
             if key == REMOTE_SESSION_METADATA_KEY:
                 with self._lock:
@@ -185,10 +190,12 @@ class RemoteExtension:
 
     @property
     def live_sessions(self) -> int:
+        """Number of remote sessions open now."""
         with self._lock:
             return len(self._tokens)
 
     def region(self, offset: int, nbytes: int) -> rpb.NixlRegion:
+        """The NIXL region of ``nbytes`` at ``offset`` in the arena; InvalidArgument past its end."""
         if offset + nbytes > self.nbytes:
             raise InvalidArgument(f"range [{offset}, {offset + nbytes}) outside the arena")
         return rpb.NixlRegion(addr=self.base_addr + offset, nbytes=nbytes, dev_id=0)

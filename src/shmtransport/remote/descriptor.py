@@ -38,6 +38,8 @@ def encode(handle: Handle | pb.TensorHandle, endpoint: str, agent_name: str, shm
 
 
 def tensor_nbytes(t: pb.TensorHandle) -> int:
+    """Bytes of the tensor a descriptor names (its shape times its dtype's size); InvalidArgument
+    for an unknown dtype."""
     try:
         itemsize = dtype_from_name(t.dtype).itemsize
     except Exception as exc:

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 
 class RemoteExporter:
+    """Describes a producer's tensors for a consumer on this node or another; asks its daemon for
+    the remote endpoint once."""
+
     def __init__(self, producer: Producer, timeout_s: float = 10.0, counters: TransportCounters | None = None
                  ) -> None:
         self.producer = producer
@@ -47,12 +50,15 @@ class RemoteExporter:
             channel.close()
 
     def export(self, handle: Handle) -> fpb.RemoteTensorHandle:
+        """The ``RemoteTensorHandle`` of ``handle``; NixlUnavailable if the daemon does not serve the remote tier."""
         if self.info is None:
             raise NixlUnavailable("the producer's daemon does not serve the remote tier (start it with "
                                   "remote_extension(); pip install shmtransport[nixl])")
         return _desc.encode(handle, self.info.endpoint, self.info.agent_name, self.info.shm_namespace)
 
     def tensor_data(self, handle: Handle, consumer_namespace: str, allow_inline: bool = False) -> fpb.TensorData:
+        """``TensorData`` of ``handle`` for a consumer in ``consumer_namespace``: shm, remote, or
+        (if allowed) inline."""
         transport = choose_transport(self.namespace, consumer_namespace, allow_inline=allow_inline,
                                      nbytes=handle.nbytes, counters=self.counters)
         td = fpb.TensorData(shape=handle.shape, dtype=handle.dtype, digest=handle.digest)

@@ -88,10 +88,12 @@ class RemoteBuffer:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the source object."""
         return int(self.handle.shm.nbytes)
 
     @property
     def pooled(self) -> bool:
+        """Whether the bytes are in one of the reader's pooled slots (given back at ``release``)."""
         return self._slot is not None
 
     def _bytes(self) -> npt.NDArray[np.uint8]:
@@ -101,10 +103,12 @@ class RemoteBuffer:
 
     @property
     def addr(self) -> int:
+        """Address of the received bytes in this process; valid until ``release``."""
         return int(self._bytes().ctypes.data)
 
     @property
     def array(self) -> npt.NDArray[Any]:
+        """The tensor as a numpy array over the received bytes (no copy); valid until ``release``."""
         if self.released:
             raise ShmTransportError(f"{self!r} is released")
         if self._array is None:
@@ -124,9 +128,11 @@ class RemoteBuffer:
         return self._root_ref is not None and self._root_ref() is not None
 
     def tensor(self) -> torch.Tensor:
+        """The tensor as a torch tensor sharing the received bytes."""
         return to_torch(self.array, self.handle.dtype)
 
     def verify(self) -> None:
+        """Check the received bytes against the handle's digest; IdentityMismatch if they differ."""
         if not self.handle.digest:
             raise InvalidArgument("remote handle carries no digest: the producer did not hash")
         if kernels.tree_digest(self._bytes().data[: _desc.tensor_nbytes(self.handle)]) != self.handle.digest:
@@ -309,6 +315,7 @@ class RemoteReader:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` has run."""
         return self._closed
 
     # -- destinations ----------------------------------------------------------------------------
@@ -388,6 +395,7 @@ class RemoteReader:
 
     # -- reads -----------------------------------------------------------------------------------
     def read(self, remote: fpb.RemoteTensorHandle | bytes, verify: bool | None = None) -> RemoteBuffer:
+        """Read one remote tensor (``verify``: None follows the reader's setting)."""
         return self.read_many([remote], verify=verify)[0]
 
     def read_many(self, remotes: Sequence[fpb.RemoteTensorHandle | bytes], verify: bool | None = None

@@ -31,6 +31,7 @@ class TransportCounters:
         self.hooks: list[Callable[[str, int], None]] = []
 
     def count(self, transport: str, nbytes: int = 0) -> None:
+        """Count one choice of ``transport`` moving ``nbytes``, then call the hooks (their errors are logged)."""
         with self._lock:
             self.counts[transport] += 1
             self.nbytes[transport] += nbytes
@@ -41,10 +42,12 @@ class TransportCounters:
                 _log.exception("transport metrics hook failed")
 
     def snapshot(self) -> dict[str, int]:
+        """A copy of the counts by transport."""
         with self._lock:
             return dict(self.counts)
 
     def reset(self) -> None:
+        """Set every count and byte total to zero."""
         with self._lock:
             for key in self.counts:
                 self.counts[key] = 0

@@ -190,12 +190,14 @@ class BlockingChild:
 
     @property
     def pid(self) -> int:
+        """The child's process id."""
         pid = self.process.pid
         if pid is None:  # not reached: started in __init__
             raise ChildError("child process not started")
         return pid
 
     def recv(self, timeout_s: float = DEFAULT_CHILD_TIMEOUT_S) -> Any:
+        """The child's next report; ChildTimeout after ``timeout_s``, the child's exception re-raised."""
         if not self._conn.poll(timeout_s):
             raise ChildTimeout(f"child {self.pid} sent nothing within {timeout_s} s")
         msg = self._receive()
@@ -215,6 +217,7 @@ class BlockingChild:
             raise ChildError(f"child {self.pid} died (exit code {self.process.exitcode})") from None
 
     def send(self, value: Any) -> None:
+        """Send ``value`` (picklable) to the child."""
         self._conn.send(value)
 
     def kill(self, timeout_s: float = 10.0) -> int:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # -- leak snapshots ------------------------------------------------------------------------------
 def open_fds() -> dict[int, str]:
+    """This process's open fds, each with its ``readlink`` target."""
     fds = {}
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -279,9 +280,11 @@ class LeakCheck:
         self._ignored_prefixes.append(prefix)
 
     def ignore_fds(self, *fds: int) -> None:
+        """Do not count these fds as leaked (opened on purpose, closed by someone else)."""
         self._ignored_fds.update(fds)
 
     def report(self, problem: str) -> None:
+        """Record a problem found by someone else (a daemon fixture); the check then fails with it."""
         self._reported.append(problem)
 
     def watch_daemon(self, daemon: "Daemon") -> None:
@@ -364,4 +367,5 @@ class LeakCheck:
         return problems, notes
 
     def failure_message(self, problems: list[str]) -> str:
+        """The message a test fails with for these problems."""
         return "test left resources behind:\n  " + "\n  ".join(problems)

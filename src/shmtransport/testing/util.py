@@ -63,11 +63,13 @@ def short_tmpdir(prefix: str = "shmtt") -> str:
 
 
 def remove_tree(path: str) -> None:
+    """Remove ``path`` and everything under it; errors (a missing path) are ignored."""
     shutil.rmtree(path, ignore_errors=True)
 
 
 # -- /dev/shm ------------------------------------------------------------------------------------
 def shm_entries() -> set[str]:
+    """The names in ``/dev/shm`` now."""
     return set(os.listdir(SHM_DIR))
 
 
@@ -77,4 +79,5 @@ def segments_of(prefix: str) -> list[str]:
 
 
 def indent(text: str, by: str = "    ") -> str:
+    """``text`` with every line prefixed by ``by``."""
     return "\n".join(by + line for line in text.splitlines())

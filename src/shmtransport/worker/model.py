@@ -75,6 +75,8 @@ class MMItem:
 
 @dataclasses.dataclass
 class Sampling:
+    """The sampling and stopping controls the model honours, named as vLLM's ``SamplingParams`` fields."""
+
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -91,6 +93,7 @@ class Sampling:
 
     @classmethod
     def from_engine_kwargs(cls, kw: dict[str, Any]) -> "Sampling":
+        """The controls among vLLM ``SamplingParams`` kwargs ``kw``; the others are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         args = {k: v for k, v in kw.items() if k in names}
         if "stop_token_ids" in args:
@@ -101,6 +104,8 @@ class Sampling:
 
 
 class TinyMultimodalModel(nn.Module):
+    """The model of this module's docstring; weights fixed by ``WEIGHT_SEED``, in eval mode."""
+
     def __init__(self, d: int = D_MODEL, vocab: int = VOCAB, n_mels: int = N_MELS):
         super().__init__()
         gen = torch.Generator().manual_seed(WEIGHT_SEED)
@@ -119,6 +124,8 @@ class TinyMultimodalModel(nn.Module):
 
     # -- encoders ----------------------------------------------------------------------------------
     def encode_vision(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Embeddings of (N, 1176) patches in their grids: one per 2x2 merge window; InvalidArgument
+        if they do not match."""
         if pixels.dim() != 2 or pixels.shape[1] != PATCH_DIM:
             raise InvalidArgument(f"vision patches must be (N, {PATCH_DIM}), got {tuple(pixels.shape)}")
         g = grid_thw.reshape(-1, 3).to(torch.int64)
@@ -130,6 +137,7 @@ class TinyMultimodalModel(nn.Module):
         return merged
 
     def encode_audio(self, features: torch.Tensor) -> torch.Tensor:
+        """Embeddings of (n_mels, frames) features: one per 8 frames (a partial tail is dropped)."""
         f = features.reshape(features.shape[-2], features.shape[-1]) if features.dim() == 3 else features
         if f.dim() != 2 or f.shape[0] != self.n_mels:
             raise InvalidArgument(f"audio features must be ({self.n_mels}, frames), got {tuple(features.shape)}")
@@ -139,6 +147,7 @@ class TinyMultimodalModel(nn.Module):
         return out
 
     def encode(self, item: MMItem) -> torch.Tensor:
+        """Embeddings of one item by its modality; InvalidArgument for one without an encoder."""
         kw = item.kwargs
         if item.modality == "image":
             return self.encode_vision(kw["pixel_values"], kw["image_grid_thw"])
@@ -176,6 +185,7 @@ class TinyMultimodalModel(nn.Module):
 
     # -- decoder ------------------------------------------------------------------------------------
     def adapter_delta(self, name: str, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The low-rank (A, B) logit delta of the adapter ``name``: deterministic in the name, on ``device``."""
         seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 63) - 1)
         gen = torch.Generator().manual_seed(seed)
         a = torch.randn(self.d, 4, generator=gen) * 0.5

@@ -49,6 +49,7 @@ def _wait_ready(proc: subprocess.Popen[str], what: str, timeout_s: float) -> str
 
 def start_daemon_process(socket_path: str, arena_nbytes: int, name_prefix: str,
                          timeout_s: float = 30.0) -> subprocess.Popen[str]:
+    """A daemon started as a child (killed if this process dies), once it listens; raises after ``timeout_s``."""
     cmd = [sys.executable, "-m", "shmtransport", "daemon", "--socket", socket_path,
            "--arena-size", str(arena_nbytes), "--name-prefix", name_prefix, "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -58,6 +59,7 @@ def start_daemon_process(socket_path: str, arena_nbytes: int, name_prefix: str,
 
 
 def stop_process(proc: subprocess.Popen[str] | None, timeout_s: float = 10.0) -> int | None:
+    """SIGTERM ``proc``, SIGKILL after ``timeout_s``, close its pipes; its exit status (None for no process)."""
     if proc is None:
         return None
     if proc.poll() is None:
@@ -132,13 +134,16 @@ class WorkerProcess:
 
     @property
     def pid(self) -> int:
+        """The worker's process id."""
         return self.proc.pid
 
     def kill(self) -> int:
+        """SIGKILL the worker; its exit status."""
         self.proc.kill()
         return self.proc.wait(10)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM the worker, SIGKILL after ``timeout_s``; its exit status."""
         return stop_process(self.proc, timeout_s)
 
     def __enter__(self) -> "WorkerProcess":

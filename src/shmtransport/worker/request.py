@@ -58,17 +58,21 @@ class EnginePlaceholder:
 
     @property
     def offset(self) -> int:
+        """First prompt position of the placeholder."""
         return self.range.offset
 
     @property
     def length(self) -> int:
+        """Number of prompt positions the placeholder covers."""
         return self.range.length
 
     def get_num_embeds(self) -> int:
+        """Number of embedding positions (vLLM's method)."""
         return self.range.get_num_embeds()
 
 
 def backend_modality(modality: str, unified_vision: bool = False) -> str:
+    """The engine's name for ``modality``: ``vision_chunk`` for images on unified-vision models."""
     return "vision_chunk" if unified_vision and modality == "image" else modality
 
 
@@ -89,6 +93,7 @@ class EngineInputs:
 
     @property
     def leases(self) -> list[Lease]:
+        """A copy of the leases the inputs hold (empty once released)."""
         return list(self._leases)
 
     def engine_prompt(self, prompt_token_ids: list[int]) -> dict[str, Any]:

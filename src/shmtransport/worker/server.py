@@ -73,6 +73,7 @@ AfterOpen = Callable[["GeneratorService", EngineInputs, "grpc.ServicerContext | 
 
 
 def resolve_device(device: str) -> str:
+    """The torch device for ``device`` (``auto``: CUDA if available); InvalidArgument for CUDA without it."""
     import torch
 
     if device == "auto":
@@ -94,6 +95,8 @@ def _cudart() -> Any:
 
 
 class GeneratorService(ServerInfoServicer):
+    """The ``Generator`` servicer: opens a request's tensors through the daemon and runs the tiny model."""
+
     def __init__(self, daemon_socket: str | None, *, device: str = "auto", verify: str = "always",
                  limits: Limits = DEFAULT_LIMITS, ingests: Mapping[str, Ingest] | None = None,
                  host_register: bool = True, chunk_tokens: int = 1, after_open: AfterOpen | None = None) -> None:
@@ -154,6 +157,7 @@ class GeneratorService(ServerInfoServicer):
             self._registered_view = view  # keep the address valid while registered
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the service's device (on CPU: the same tensor, no copy)."""
         if self.device == "cpu":
             return t  # the zero-copy view of shared memory is the device tensor
         return t.to(self.device, non_blocking=False)
@@ -308,6 +312,7 @@ class GeneratorService(ServerInfoServicer):
         return fold(chunks, request_id=request.request_id)
 
     def close(self) -> None:
+        """Unregister host memory pinned for CUDA and close the daemon session."""
         if self.registered:
             for result in self.registered.values():
                 if result is not None:
@@ -368,10 +373,12 @@ class WorkerServer:
             self._claim.release()
 
     def start(self) -> "WorkerServer":
+        """Start serving; returns self."""
         self._server.start()
         return self
 
     def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving (in-flight calls get ``grace_s`` seconds), close the service, give up the socket."""
         self._server.stop(grace_s).wait(grace_s + 5)
         self.service.close()
         self._release_claim()
