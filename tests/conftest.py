@@ -56,6 +56,7 @@ ONCE_UNDER_C = {
                            "kernels' part of that path is in the protocol and worker tests",
     "test_generator_client.py": "the public Generator client against vLLM's engine (the shared engine session "
                                 "starts once, under C); its Python code does not touch the kernels",
+    "test_vllm_renderer.py": "vLLM's own processor against our hand-written renderer (no kernel involved)",
     "test_aio.py": "the asyncio wrapper; its tests already run each call with and without the object table",
     "test_pytest_plugin_xdist.py": "the plugin's leak attribution under xdist",
     "test_packaging.py": "building and installing the artifacts",

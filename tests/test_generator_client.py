@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 import pytest
+from vllm_engine import RAW_SCENARIOS, raw_media, raw_prompt
 
 from shmtransport import (
     NO_INLINE,
@@ -59,6 +60,30 @@ def _engine_went_idle(s: dict) -> bool:
 
 
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def vllm_renderer(vllm_session):
+    import json
+
+    from shmtransport.engine.process import ENGINE_FLAGS
+    from shmtransport.frontend.vllm_renderer import VllmRenderer
+
+    limits = json.loads(dict(zip(ENGINE_FLAGS[::2], ENGINE_FLAGS[1::2]))["--limit-mm-per-prompt"])
+    return VllmRenderer(vllm_session["model"], limit_mm_per_prompt=limits)
+
+
+@pytest.mark.parametrize("name", list(RAW_SCENARIOS))
+def test_source_media_rendered_by_vllms_processor_give_the_offline_engines_tokens(vllm_session, vllm_renderer, name):
+    """Images and video as a user has them: vLLM's own processor renders them in the frontend
+    (``VllmRenderer``), the tensors go through shared memory, and the worker's engine answers what
+    vLLM's offline engine answers for the same media (which it processes itself)."""
+    s = vllm_session
+    tokens, media = raw_prompt(s["model"], raw_media(name))
+    rendered = vllm_renderer.render(tokens, media)
+    assert len(rendered.features) == len(RAW_SCENARIOS[name])
+    _assert_offline(s, name, *_tokens_and_logprobs(s["ours"].generate(rendered, **GREEDY)))
+    _settled(s)
 
 
 @pytest.mark.parametrize("name", ["single-image", "image-and-video"])

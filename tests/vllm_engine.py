@@ -44,11 +44,53 @@ def _scenarios(renderer: Any) -> dict:
     return {name: renderer.prompt("describe this", its) for name, its in items.items()}
 
 
-def _offline_requests(scenarios: dict, path: str) -> None:
-    """The scenarios as tensors + JSON for tests/engine/offline_vllm.py."""
+# Source media with one placeholder per item, rendered by vLLM's own processor on both sides: in
+# the offline engine, and through ``frontend.vllm_renderer`` on our path.
+RAW_SCENARIOS = {
+    "raw-image": [("image", (112, 84, 21))],
+    "raw-images-and-video": [("image", (140, 98, 22)), ("video", (4, 84, 84, 23)), ("image", (56, 112, 24))],
+}
+
+
+def raw_media(name: str) -> list[tuple[str, np.ndarray]]:
+    """The items of RAW_SCENARIOS ``name`` in prompt order: (modality, an HxWx3 image or a TxHxWx3 video)."""
+    from shmtransport.frontend.media import synthetic_image, synthetic_video
+
+    items = []
+    for modality, args in RAW_SCENARIOS[name]:
+        if modality == "image":
+            items.append((modality, np.asarray(synthetic_image(*args).convert("RGB"))))
+        else:
+            items.append((modality, np.stack([np.asarray(f.convert("RGB")) for f in synthetic_video(*args)])))
+    return items
+
+
+def raw_prompt(model: str, items: list[tuple[str, np.ndarray]]) -> tuple[list[int], dict[str, list[np.ndarray]]]:
+    """Token ids with one placeholder per item (the tiny model's special tokens), and the media by modality."""
+    from shmtransport.engine import tiny_model
+
+    ids = tiny_model.special_token_ids(model)
+    tokens = [1, 2]
+    media: dict[str, list[np.ndarray]] = {}
+    for modality, source in items:
+        tokens += [ids["vision_start"], ids[f"{modality}_pad"], ids["vision_end"]]
+        media.setdefault(modality, []).append(source)
+    return tokens + [7, 8], media
+
+
+def _offline_requests(scenarios: dict, path: str, model: str) -> None:
+    """The scenarios as tensors + JSON for tests/engine/offline_vllm.py, and RAW_SCENARIOS as media."""
     from shmtransport.identity import item_identity
 
     arrays = {}
+    for name in RAW_SCENARIOS:
+        items = raw_media(name)
+        tokens, _ = raw_prompt(model, items)
+        for i, (_, source) in enumerate(items):
+            arrays[f"{name}/{i}/media"] = source
+        meta = {"raw": True, "token_ids": tokens, "modalities": [m for m, _ in items], "max_tokens": MAX_TOKENS,
+                "logprobs": 1}
+        arrays[f"{name}/meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     for name, prompt in scenarios.items():
         meta = {"token_ids": prompt.token_ids, "max_tokens": MAX_TOKENS, "logprobs": 1, "items": []}
         for i, f in enumerate(prompt.features):
@@ -79,7 +121,7 @@ def vllm_session(tmp_path_factory):
     model = tiny_model.build(root / "model")
     renderer = Qwen2VLRenderer(model)
     scenarios = _scenarios(renderer)
-    _offline_requests(scenarios, str(root / "offline.npz"))
+    _offline_requests(scenarios, str(root / "offline.npz"), str(model))
     daemon = testing.start_daemon(arena_nbytes=256 << 20)
     runtime = root / "runtime"
     offline_out = root / "offline.json"

@@ -3,8 +3,10 @@
 Usage: ``python offline_vllm.py MODEL_DIR REQUESTS.npz OUT.json``. Each request in the npz is a set
 of arrays named ``<r>/<item>/<key>`` plus ``<r>/meta`` (JSON: prompt token ids, per item the modality,
 its field layout, placeholder and identity, and the sampling controls). The tensors go to the engine
-as a preprocessed ``mm_input``, exactly as a gRPC server hands them over; the outputs (token ids and
-the chosen tokens' logprobs) are written as JSON.
+as a preprocessed ``mm_input``, exactly as a gRPC server hands them over. A request whose meta says
+``raw`` instead holds source media (``<r>/<item>/media``: an HxWx3 image or a TxHxWx3 video) and
+prompt token ids with one placeholder per item: ``LLM.generate`` processes them itself, with vLLM's
+own processor. The outputs (token ids and the chosen tokens' logprobs) are written as JSON.
 """
 from __future__ import annotations
 
@@ -47,6 +49,16 @@ def _prompt(meta: dict, arrays: dict):
                     mm_placeholders=placeholders)
 
 
+def _raw_prompt(meta: dict, arrays: dict) -> dict:
+    from PIL import Image
+
+    media: dict[str, list] = {}
+    for i, modality in enumerate(meta["modalities"]):
+        source = arrays[f"{i}/media"]
+        media.setdefault(modality, []).append(Image.fromarray(source) if modality == "image" else source)
+    return {"prompt_token_ids": meta["token_ids"], "multi_modal_data": media}
+
+
 def main(model_dir: str, requests_path: str, out_path: str) -> int:
     environment.apply_defaults(environment.isolated_environment())
     from vllm import LLM, SamplingParams
@@ -62,13 +74,16 @@ def main(model_dir: str, requests_path: str, out_path: str) -> int:
         meta = json.loads(bytes(data[f"{name}/meta"]).decode())
         arrays = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(name + "/") and k != f"{name}/meta"}
         params = SamplingParams(temperature=0.0, max_tokens=meta["max_tokens"], logprobs=meta["logprobs"])
-        # LLM.generate would take this dict for a text prompt and drop the tensors: hand the engine
-        # the processed input directly, as a server does
-        llm.llm_engine.add_request(name, _prompt(meta, arrays), params)
-        finished = []
-        while llm.llm_engine.has_unfinished_requests():
-            finished += [o for o in llm.llm_engine.step() if o.finished]
-        out = finished[0].outputs[0]
+        if meta.get("raw"):
+            out = llm.generate([_raw_prompt(meta, arrays)], params, use_tqdm=False)[0].outputs[0]
+        else:
+            # LLM.generate would take this dict for a text prompt and drop the tensors: hand the
+            # engine the processed input directly, as a server does
+            llm.llm_engine.add_request(name, _prompt(meta, arrays), params)
+            finished = []
+            while llm.llm_engine.has_unfinished_requests():
+                finished += [o for o in llm.llm_engine.step() if o.finished]
+            out = finished[0].outputs[0]
         results[name] = {"token_ids": list(out.token_ids),
                          "logprobs": [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]}
     with open(out_path, "w") as f:
