@@ -68,7 +68,7 @@ _kept = []
 @pytest.mark.shm_leak_check
 def test_first(shm_producer, shm_consumer):
     signal("first-started")
-    await_signal("second-made")  # the other worker's arena and segments are there from now on
+    await_signal("second-made")  # the other worker's segments are there from now on
     handle = shm_producer.put(np.arange(1000))
     with shm_consumer.acquire(handle) as lease:
         assert int(lease.array.sum()) == 499500
@@ -84,13 +84,19 @@ def test_first(shm_producer, shm_consumer):
 @pytest.mark.xdist_group("second")
 @pytest.mark.shm_leak_check
 def test_second(shm_make_daemon):
+    from shmtransport.client import Producer
+
     await_signal("first-started")
     daemon = shm_make_daemon()  # while the first test's leak check runs
+    producer = Producer(daemon.socket_path, timeout_s=10)
+    dedicated = producer.put(np.arange(10), dedicated=True)  # the daemon's one kind of segment with a name
     held = shared_memory.SharedMemory(create=True, size=4096)  # mapped by this worker
     left = shared_memory.SharedMemory(create=True, size=4096)
     left.close()  # held by nobody
     signal("second-made", " ".join([daemon.config.name_prefix, held.name.lstrip("/"), left.name.lstrip("/")]))
     await_signal("first-checked")
+    producer.release(dedicated, wait=True)
+    producer.close()
     held.close()
     held.unlink()
     left.unlink()
@@ -159,7 +165,7 @@ def test_clean_tests_on_two_workers_pass_while_each_other_makes_segments(pyteste
     result.assert_outcomes(passed=2)
     note = notes(pytester, "test_first")  # the other worker's entries were new, and only noted
     assert "not counted" in note and all(name in note for name in (held, left)), out
-    assert re.search(rf"'{prefix}-\w+-t0-arena'", note), out
+    assert re.search(rf"'{prefix}-\w+-t0-obj\d+-[0-9a-f]+'", note), out
 
 
 def test_a_leak_planted_on_one_worker_fails_with_only_its_own_entries(pytester):

@@ -29,9 +29,10 @@ Fixtures
 
 Options
   ``--shm-arena-size=64M``     arena of the daemon fixtures (bytes, or K/M/G suffixes)
-  ``--shm-keep-on-failure``    when a test fails, leave its daemon running and its segments in
-                               /dev/shm for inspection; the socket path and segment names are
-                               printed in the terminal summary
+  ``--shm-keep-on-failure``    when a test fails, leave its daemon running, its dedicated segments
+                               in /dev/shm and copies of its arena and object table (memfds, gone
+                               with the process) in its socket directory, for inspection; the
+                               socket path and the files are printed in the terminal summary
 """
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ _check_key = pytest.StashKey[testing.LeakCheck]()  # item: its active leak check
 _item_daemons_key = pytest.StashKey[list["Daemon"]]()  # item: function-scoped daemons it started
 _session_daemons_key = pytest.StashKey[list["Daemon"]]()  # config: session-scoped daemons
 _session_failed_key = pytest.StashKey[bool]()  # config: a test using shm_daemon_session failed
-# config: (nodeid, socket path, segment names, tmpdir) kept
-_kept_key = pytest.StashKey[list[tuple[str, str, list[str], str | None]]]()
+# config: (nodeid, socket path, segment names in /dev/shm, copies of the sealed segments, tmpdir) kept
+_kept_key = pytest.StashKey[list[tuple[str, str, list[str], list[str], str | None]]]()
 
 _ClientT = TypeVar("_ClientT", "Producer", "Consumer")
 
@@ -96,8 +97,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="shm_keep_on_failure",
         action="store_true",
         default=False,
-        help="when a test fails, do not stop its shm daemon or unlink its segments; print the socket "
-        "path and segment names for inspection",
+        help="when a test fails, do not stop its shm daemon or unlink its segments, copy its arena and "
+        "object table to files; print the socket path and the files for inspection",
     )
 
 
@@ -152,12 +153,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     if not kept:
         return
     terminalreporter.section("shmtransport: daemon state kept for inspection (--shm-keep-on-failure)")
-    for nodeid, socket_path, segments, _ in kept:
+    for nodeid, socket_path, segments, copies, _ in kept:
         terminalreporter.line(f"{nodeid}:")
         terminalreporter.line(f"  socket: {socket_path}")
-        for name in segments:
-            terminalreporter.line(f"  segment: /dev/shm/{name}")
-    paths = [f"/dev/shm/{name}" for _, _, segments, _ in kept for name in segments]
+        for path in [f"/dev/shm/{name}" for name in segments] + copies:
+            terminalreporter.line(f"  segment: {path}")
+    paths = [f"/dev/shm/{name}" for _, _, segments, _, _ in kept for name in segments]
     paths += sorted({tmpdir for *_, tmpdir in kept if tmpdir})  # the fixtures' own socket dirs
     terminalreporter.line("remove them when done: rm -rf " + " ".join(paths))
 
@@ -183,9 +184,10 @@ def _active_daemons(item: pytest.Item) -> list["Daemon"]:
 
 
 def _keep(config: pytest.Config, nodeid: str, daemon: "Daemon") -> None:
+    tmpdir = testing.daemons.tmpdir_of(daemon) or testing.short_tmpdir()
     config.stash.setdefault(_kept_key, []).append(
         (nodeid, daemon.socket_path, testing.segments_of(daemon.config.name_prefix),
-         testing.daemons.tmpdir_of(daemon))
+         testing.daemons.copy_sealed_segments(daemon, tmpdir), tmpdir)
     )
 
 
@@ -250,7 +252,7 @@ def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes: tuple[str
     if _keeping(item):
         # The failed test's daemon stays as it is: its segments and fds are not leaks.
         check.check_fds = False
-        for _, _, segments, _ in request.config.stash.get(_kept_key, []):
+        for _, _, segments, _, _ in request.config.stash.get(_kept_key, []):
             for name in segments:
                 check.ignore_shm(name)
     problems, notes = check.problems()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable
@@ -28,6 +29,23 @@ _daemon_tmpdirs: weakref.WeakKeyDictionary[Daemon, str] = weakref.WeakKeyDiction
 def tmpdir_of(daemon: "Daemon") -> str | None:
     """The socket directory ``start_daemon`` made for ``daemon`` (None for another daemon)."""
     return _daemon_tmpdirs.get(daemon)
+
+
+def copy_sealed_segments(daemon: "Daemon", directory: str) -> list[str]:
+    """Copy each tenant's arena and object table segments into files of ``directory`` named after
+    them (they are memfds: they go with the daemon's process, so a failed test's state is kept
+    this way); the files' paths."""
+    paths = []
+    for tenant in daemon.tenants:
+        segments = [tenant.segment]
+        if tenant.objects is not None:
+            segments += [tenant.objects.slots_segment, tenant.objects.holds_segment]
+        for segment in segments:
+            path = os.path.join(directory, segment.name)
+            with open(segment.open_path, "rb") as source, open(path, "wb") as copy:
+                shutil.copyfileobj(source, copy, 1 << 20)
+            paths.append(path)
+    return paths
 
 
 def start_daemon(**overrides: Any) -> "Daemon":
