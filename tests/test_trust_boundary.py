@@ -794,8 +794,9 @@ def test_waiting_grants_cost_the_daemon_no_cpu_while_they_wait(make_daemon):
         child.send("free")
         assert child.recv(timeout_s=60) == ["loaned"] * waiters  # each was served once room came
         child.send("exit")
-    # Measured: ~6 % (35 % with each waiting Grant polling the table every 5 ms).
-    assert cpu < 0.15 * window_s, f"{waiters} waiting grants cost {cpu / window_s:.0%} of a core"
+    # Measured 6-19 % across runs on the 2-core CI machine (the clients' re-asks, at most every
+    # 200 ms each); 35 % with each waiting Grant polling the table every 5 ms.
+    assert cpu < 0.25 * window_s, f"{waiters} waiting grants cost {cpu / window_s:.0%} of a core"
 
 
 def _forge_sizes(conn, socket_path: str) -> None:
