@@ -198,3 +198,45 @@ def test_a_producer_unparking_and_the_daemon_taking_never_both_win():
         thread.join(10)
         table.close()
         memory.close()
+
+
+def test_a_placement_never_reaches_the_daemon_before_the_grant_returns_it_depends_on(make_daemon, monkeypatch):
+    # The background thread gives back this producer's spare grants; a placement on another thread
+    # needs their space. Were the return sent outside the lock, the placement's Grant could reach
+    # the daemon first and be refused ARENA_FULL with the arena this producer's own (CI, once).
+    daemon = make_daemon(arena_nbytes=4 * MiB)
+    arrays = [np.full(MiB, i, dtype=np.uint8) for i in range(4)]  # one large grant each: the arena
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
+        handles = producer.put_many(arrays)
+        returning, proceed, placement_sent = threading.Event(), threading.Event(), threading.Event()
+        placer: list[threading.Thread] = []
+        real_call = producer._conn.call
+
+        def call(method, request, reconnect=True):
+            if method == "Grant" and request.give_back and not request.nbytes:  # the background's return
+                returning.set()
+                assert proceed.wait(TIMEOUT_S)
+            elif method == "Grant" and placer and threading.current_thread() is placer[0]:
+                placement_sent.set()
+            return real_call(method, request, reconnect)
+
+        monkeypatch.setattr(producer._conn, "call", call)
+        producer.release(handles, wait=True)  # three of the four grants are queued for return
+        assert returning.wait(TIMEOUT_S)
+        outcome: list[object] = []
+        placer.append(threading.Thread(target=lambda: outcome.append(_put_or_error(producer, arrays))))
+        placer[0].start()
+        try:
+            assert not placement_sent.wait(0.5), "the placement's Grant went out before the returns"
+        finally:
+            proceed.set()
+        placer[0].join(TIMEOUT_S)
+        assert len(outcome) == 1 and not isinstance(outcome[0], Exception), outcome
+        producer.release(outcome[0])
+
+
+def _put_or_error(producer: Producer, arrays: list[np.ndarray]) -> object:
+    try:
+        return producer.put_many(arrays)
+    except Exception as exc:  # reported to the test's thread
+        return exc

@@ -320,16 +320,17 @@ class _Client:
 
     def _return_grants(self) -> None:
         """Collect dead objects, park idle grants, give back the grants queued for return
-        (background)."""
+        (background). The return is sent under the lock: a placement's Grant must not reach the
+        daemon before the returns it took out of the queue (it would find their space taken)."""
         with self._lock:
             tables = self._surplus_grants()
             if tables is None:
                 return
             tables.collect()
             give_back, tables.give_back = tables.give_back, []
-        if give_back:
-            self._before_call("Grant")
-            self._conn.call("Grant", pb.GrantRequest(give_back=give_back), reconnect=False)
+            if give_back:
+                self._before_call("Grant")
+                self._conn.call("Grant", pb.GrantRequest(give_back=give_back), reconnect=False)
 
     def _requeue_deferred(self, force: bool) -> None:
         with self._lock:
