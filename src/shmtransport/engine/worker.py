@@ -47,9 +47,11 @@ from ..socket_lock import claim_socket, unix_socket_path
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
 from ..worker.request import EngineInputs, open_request
-from . import environment
+from . import environment, model_worker
+from .handle_items import handle_item
 
 DESCRIPTION = "vLLM's engine behind the Generator service, fed zero-copy from shmtransport's arena"
+ABORT_GRACE_S = 10.0  # how long the leases of a request that ended early outlive it (see VllmGeneratorService)
 _FINISH = {"length": gpb.FINISH_REASON_LENGTH, "stop": gpb.FINISH_REASON_STOP}
 _UnaryContext = grpc.aio.ServicerContext[gpb.GenerateRequest, gpb.GenerateResponse]
 # GenerateStream also runs under Generate's (unary) context
@@ -67,8 +69,11 @@ def vllm_field(config: FieldConfig) -> Any:
     return MultiModalSharedField(batch_size=config.batch_size, keep_on_cpu=config.keep_on_cpu)
 
 
-def engine_prompt(prompt_token_ids: list[int], inputs: EngineInputs) -> dict[str, Any]:
-    """``EngineInputs`` (zero-copy views) -> vLLM's ``mm_input``."""
+def engine_prompt(prompt_token_ids: list[int], inputs: EngineInputs, *,
+                  handles_to_model: bool = False) -> dict[str, Any]:
+    """``EngineInputs`` (zero-copy views) -> vLLM's ``mm_input``. ``handles_to_model``: the
+    shared-memory tensors the model reads on its device go as handles (``handle_items``), for
+    ``model_worker`` to resolve where the model runs; otherwise as the views themselves."""
     from vllm.inputs.engine import mm_input
     from vllm.multimodal.inputs import (
         MultiModalFieldElem,
@@ -80,11 +85,13 @@ def engine_prompt(prompt_token_ids: list[int], inputs: EngineInputs) -> dict[str
     items: dict[str, list[Any]] = {}
     placeholders: dict[str, list[Any]] = {}
     for modality, kw_list in inputs.mm_kwargs.items():
-        items[modality] = [
-            MultiModalKwargsItem({key: MultiModalFieldElem(data=tensor, field=vllm_field(fields[key]))
-                                  for key, tensor in kw.items()})
-            for kw, fields in zip(kw_list, inputs.mm_fields[modality])
-        ]
+        items[modality] = []
+        for kw, fields, handles in zip(kw_list, inputs.mm_fields[modality], inputs.mm_handles[modality]):
+            vfields = {key: vllm_field(fields[key]) for key in kw}
+            items[modality].append(
+                handle_item(kw, vfields, handles) if handles_to_model
+                else MultiModalKwargsItem({key: MultiModalFieldElem(data=tensor, field=vfields[key])
+                                           for key, tensor in kw.items()}))
         placeholders[modality] = [PlaceholderRange(offset=p.offset, length=p.length, is_embed=p.is_embed)
                                   for p in inputs.mm_placeholders[modality]]
     hashes = {m: list(h) for m, h in inputs.mm_hashes.items()}
@@ -109,42 +116,63 @@ def sampling_params(request: gpb.GenerateRequest) -> Any:
 
 
 class VllmGeneratorService(gpb_grpc.GeneratorServicer):
-    """Generate / GenerateStream / GetServerInfo over an AsyncLLM."""
+    """Generate / GenerateStream / GetServerInfo over an AsyncLLM.
+
+    ``handles_to_model``: the engine's worker class is ``model_worker.HandleResolvingWorker``; the
+    tensors go to it as handles, and this process keeps its own leases until the request is over
+    (``ABORT_GRACE_S`` longer when it ends early: a step already on its way to the model may still
+    acquire them)."""
 
     def __init__(self, engine: Any, consumer: Consumer, *, verify: str = "always",
-                 limits: Limits = DEFAULT_LIMITS) -> None:
+                 limits: Limits = DEFAULT_LIMITS, handles_to_model: bool = False) -> None:
         self.engine = engine
         self.consumer = consumer
         self.verify = verify
         self.limits = limits
+        self.handles_to_model = handles_to_model
         self._info = server_info(limits, native_generate=True)
 
     async def GetServerInfo(self, request: gpb.ServerInfoRequest,
                             context: grpc.aio.ServicerContext[gpb.ServerInfoRequest, gpb.ServerInfo]) -> gpb.ServerInfo:
         return self._info
 
-    def _prepare(self, request: gpb.GenerateRequest) -> tuple[dict[str, Any], Any]:
-        """Off the event loop: validate, acquire (one RPC), verify identities, build vLLM's input."""
+    def _prepare(self, request: gpb.GenerateRequest) -> tuple[dict[str, Any], Any, EngineInputs | None]:
+        """Off the event loop: validate, acquire (one RPC), verify identities, build vLLM's input;
+        the inputs whose leases stay held while the engine runs (None: nothing to hold)."""
         prompt = sampling_mod.prompt_token_ids(request)
         params = sampling_params(request)
         for name in ("lora_name", "cache_salt"):
             if request.HasField(name):
                 raise InvalidArgument(f"{name} is not served by the vLLM worker")
         if not request.multimodal.batches:
-            return {"type": "token", "prompt_token_ids": prompt}, params
+            return {"type": "token", "prompt_token_ids": prompt}, params, None
         inputs = open_request(self.consumer, request.multimodal, verify=self.verify, prompt_len=len(prompt),
                               limits=self.limits)
         try:
-            return engine_prompt(prompt, inputs), params
-        finally:
-            inputs.consumed()  # deferred by the client until vLLM drops its last view of the bytes
+            built = engine_prompt(prompt, inputs, handles_to_model=self.handles_to_model)
+        except BaseException:
+            inputs.consumed()
+            raise
+        if self.handles_to_model:
+            return built, params, inputs
+        inputs.consumed()  # deferred by the client until vLLM drops its last view of the bytes
+        return built, params, None
 
     async def _outputs(self, request: gpb.GenerateRequest) -> AsyncIterator[tuple[Any, int]]:
         loop = asyncio.get_running_loop()
-        prompt, params = await loop.run_in_executor(None, self._prepare, request)
+        prompt, params, held = await loop.run_in_executor(None, self._prepare, request)
         request_id = request.request_id or f"shmt-{id(request):x}"
-        async for out in self.engine.generate(prompt=prompt, sampling_params=params, request_id=request_id):
-            yield out, len(prompt["prompt_token_ids"])
+        finished = False
+        try:
+            async for out in self.engine.generate(prompt=prompt, sampling_params=params, request_id=request_id):
+                finished = finished or out.finished
+                yield out, len(prompt["prompt_token_ids"])
+        finally:
+            if held is not None:
+                if finished:
+                    held.consumed()
+                else:
+                    loop.call_later(ABORT_GRACE_S, held.consumed)
 
     async def GenerateStream(self, request: gpb.GenerateRequest,
                              context: _StreamContext) -> AsyncIterator[gpb.GenerateStreamChunk]:
@@ -201,6 +229,17 @@ def _chunk(completion: Any, *, params_logprobs: bool) -> gpb.GenerateStreamChunk
     return chunk
 
 
+def install_handle_resolver(config: Any, daemon_socket: str) -> None:
+    """Make the engine's worker class ``model_worker.HandleResolvingWorker``, extending the class
+    the platform (or the user's ``--worker-cls``) chose; its processes inherit, through the
+    environment, which class that is and where the daemon listens."""
+    parallel = config.parallel_config
+    if parallel.worker_cls != model_worker.WORKER_CLS:
+        os.environ[model_worker.BASE_WORKER_ENV] = parallel.worker_cls
+    os.environ[model_worker.DAEMON_SOCKET_ENV] = daemon_socket
+    parallel.worker_cls = model_worker.WORKER_CLS
+
+
 async def serve(args: argparse.Namespace) -> None:
     """Load the engine and serve the generator over gRPC on ``args.address`` until SIGTERM or SIGINT."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -211,11 +250,15 @@ async def serve(args: argparse.Namespace) -> None:
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    handles_to_model = args.model_inputs == "handles"
+    if handles_to_model:
+        install_handle_resolver(config, args.daemon_socket)
     engine = AsyncLLM.from_vllm_config(vllm_config=config, usage_context=UsageContext.OPENAI_API_SERVER,
                                        disable_log_stats=True)
     consumer = Consumer(args.daemon_socket)
     server = grpc.aio.server(options=grpc_options(64 << 20), interceptors=[AioErrorBoundary()])
-    gpb_grpc.add_GeneratorServicer_to_server(VllmGeneratorService(engine, consumer, verify=args.verify), server)
+    gpb_grpc.add_GeneratorServicer_to_server(VllmGeneratorService(engine, consumer, verify=args.verify,
+                                                                  handles_to_model=handles_to_model), server)
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     health_servicer = health.aio.HealthServicer()
@@ -253,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--daemon-socket", default=default_socket_path(), help="shmtransportd socket")
     parser.add_argument("--verify", choices=("always", "never"), default="always",
                         help="recompute each item's identity from shared memory before the engine runs")
+    parser.add_argument("--model-inputs", choices=("handles", "views"), default="handles",
+                        help="handles: tensors reach the process where the model runs as handles and are "
+                             "mapped there (our worker class); views: vLLM's API process gets views and "
+                             "vLLM copies the bytes to the model itself")
     return cast(argparse.ArgumentParser, AsyncEngineArgs.add_cli_args(parser))
 
 
@@ -287,6 +334,17 @@ def _model_problem(model: str | None) -> str | None:
     return None if os.path.exists(path) else f"--model {model}: no such file or directory"
 
 
+def _vllm_problem(model_inputs: str) -> str | None:
+    """Why handles cannot ride to the model through the installed vLLM; None when they can (or
+    are not asked for)."""
+    if model_inputs != "handles":
+        return None
+    import vllm
+
+    problem = model_worker.check_vllm_version(vllm.__version__)
+    return None if problem is None else f"{problem} (--model-inputs views works with it)"
+
+
 def _daemon_problem(daemon_socket: str) -> str | None:
     """Why this process cannot be a client of the daemon at ``daemon_socket``; None when it can."""
     try:
@@ -303,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     (``socket_lock.claim_socket``): while another live worker serves that path this raises
     ``SocketInUse`` and leaves its socket alone; at exit the socket is unlinked while still ours."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    problem = _address_problem(args.address) or _model_problem(args.model)
+    problem = _address_problem(args.address) or _model_problem(args.model) or _vllm_problem(args.model_inputs)
     path = unix_socket_path(args.address)
     claim = claim_socket(path, "shmtransport vllm-worker") if path is not None and problem is None else None
     try:

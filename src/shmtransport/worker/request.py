@@ -28,6 +28,7 @@ import numpy.typing as npt
 from ..client import Consumer, Lease
 from ..embedmask import PlaceholderRange
 from ..errors import IdentityMismatch, InvalidArgument
+from ..handle import Handle
 from ..identity import combine, identity_scheme, item_identity, tensor_digest
 from ..protocol import routing
 from ..protocol.items import FieldConfig
@@ -84,6 +85,7 @@ class EngineInputs:
         self._leases = leases
         self.mm_kwargs: dict[str, list[dict[str, Any]]] = {}
         self.mm_fields: dict[str, list[dict[str, FieldConfig]]] = {}
+        self.mm_handles: dict[str, list[dict[str, Handle]]] = {}  # the shm tensors' handles, by key
         self.mm_hashes: dict[str, list[str]] = {}
         self.mm_identifiers: dict[str, list[str]] = {}
         self.mm_placeholders: dict[str, list[EnginePlaceholder]] = {}
@@ -216,6 +218,8 @@ def _fill_item(out: EngineInputs, batch: CheckedBatch, it: CheckedItem, lease_of
                   for k, v in it.msgpack.values.items()}
     out.mm_kwargs.setdefault(modality, []).append(kwargs)
     out.mm_fields.setdefault(modality, []).append(dict(it.fields))
+    out.mm_handles.setdefault(modality, []).append(
+        {k: lease_of[(modality, it.index, k)].handle for k, t in it.tensors.items() if t.kind == "shm"})
     out.mm_hashes.setdefault(modality, []).append(it.mm_hash or identity)
     out.mm_identifiers.setdefault(modality, []).append(it.cache_identifier)
     out.mm_placeholders.setdefault(modality, []).append(EnginePlaceholder(it.placeholder,
