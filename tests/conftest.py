@@ -54,6 +54,8 @@ OPTIONAL = {
 ONCE_UNDER_C = {
     "test_engine_vllm.py": "vLLM's engine behind our worker (~3 min of engine start); the pure-Python "
                            "kernels' part of that path is in the protocol and worker tests",
+    "test_engine_handles.py": "handles through vLLM's engine to the model, at TP=1 and TP=2 (engine starts); "
+                              "the resolver under both backends is test_handle_items.py",
     "test_generator_client.py": "the public Generator client against vLLM's engine (the shared engine session "
                                 "starts once, under C); its Python code does not touch the kernels",
     "test_vllm_renderer.py": "vLLM's own processor against our hand-written renderer (no kernel involved)",

@@ -10,7 +10,7 @@ runs every scenario once (``offline``: the reference tokens and logprobs).
 The session is a dict: ``daemon``, ``producer``, ``consumer``, ``channels`` (``stock``, ``ours``),
 ``ours`` (a ``GeneratorClient`` of our worker that sends every tensor through shared memory),
 ``servers`` (``process.EngineServer``s), ``model`` (the model directory), ``scenarios``, ``offline``,
-``renderer``, ``root``.
+``renderer``, ``root``, ``encoder_log`` (``model_worker.ENCODER_INPUT_LOG_ENV`` of our worker).
 Everything vLLM-specific is imported inside the fixture: this module loads without vLLM.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ def vllm_session(tmp_path_factory):
 
     from shmtransport import NO_INLINE, GeneratorClient, testing
     from shmtransport.client import Consumer, Producer
-    from shmtransport.engine import environment, process, tiny_model
+    from shmtransport.engine import environment, model_worker, process, tiny_model
     from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
 
     root = tmp_path_factory.mktemp("vllm")
@@ -134,7 +134,9 @@ def vllm_session(tmp_path_factory):
                                         str(root / "offline.npz"), str(offline_out)],
                                        env=offline_env,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        servers = process.start_stock_and_ours(model, daemon.config.socket_path, runtime_dir=runtime, log_dir=root)
+        encoder_log = root / "encoder_inputs.jsonl"  # where each tensor our worker's model encodes lies
+        servers = process.start_stock_and_ours(model, daemon.config.socket_path, runtime_dir=runtime, log_dir=root,
+                                               ours_env={model_worker.ENCODER_INPUT_LOG_ENV: str(encoder_log)})
         assert offline.wait(600) == 0, (root / "offline.log").read_text()[-4000:]
         producer, consumer = Producer(daemon.config.socket_path), Consumer(daemon.config.socket_path)
         channels = {name: grpc.insecure_channel(server.address) for name, server in servers.items()}
@@ -144,7 +146,7 @@ def vllm_session(tmp_path_factory):
         session = {"daemon": daemon, "producer": producer, "consumer": consumer, "channels": channels, "ours": ours,
                    "servers": servers, "model": str(model),
                    "scenarios": scenarios, "offline": json.loads(offline_out.read_text()), "renderer": renderer,
-                   "root": root}
+                   "root": root, "encoder_log": encoder_log}
         all_paths(session, "single-image")  # connects every channel and compiles vLLM's logprobs code
         yield session
         ours.close()

@@ -13,8 +13,8 @@ The marker entry is a batched field that is not ``keep_on_cpu``, so vLLM's own s
 prefix-cache-covered items (``strip_covered_mm_data``) drops it with the bytes it stands for: an
 item whose encoder never runs is never acquired.
 
-Format of the marker bytes: a version byte, then per key ``u16 key length, key (UTF-8), u16
-handle length, handle`` (``Handle.to_bytes``), little-endian. ``parse_marker`` refuses anything
+Format of the marker bytes: a version byte, a u16 entry count, then per key ``u16 key length,
+key (UTF-8), u16 handle length, handle`` (``Handle.to_bytes``), little-endian. ``parse_marker`` refuses anything
 else with InvalidArgument.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = ["MARKER_KEY", "encode_marker", "parse_marker", "handle_item", "is_han
 
 def encode_marker(handles: Mapping[str, Handle]) -> bytes:
     """The marker bytes naming ``handles`` (kwargs key -> handle)."""
-    out = bytearray([MARKER_VERSION])
+    out = bytearray([MARKER_VERSION]) + _U16.pack(len(handles))
     for key, handle in handles.items():
         name, wire = key.encode(), handle.to_bytes()
         if len(name) > 0xFFFF or len(wire) > 0xFFFF:
@@ -48,28 +48,34 @@ def encode_marker(handles: Mapping[str, Handle]) -> bytes:
 
 def parse_marker(data: bytes) -> dict[str, Handle]:
     """kwargs key -> ``Handle`` from marker bytes; InvalidArgument for anything ``encode_marker``
-    does not write (truncated, another version, a repeated key, a bad handle)."""
-    if not data or data[0] != MARKER_VERSION:
+    does not write (truncated, extended, another version, a repeated key, a bad handle)."""
+    if len(data) < 3 or data[0] != MARKER_VERSION:
         raise InvalidArgument(f"not a version-{MARKER_VERSION} handle marker")
+    (count,) = _U16.unpack_from(data, 1)
     handles: dict[str, Handle] = {}
-    pos = 1
-    try:
-        while pos < len(data):
-            (n,) = _U16.unpack_from(data, pos)
-            key = data[pos + 2:pos + 2 + n].decode()
-            pos += 2 + n
-            (m,) = _U16.unpack_from(data, pos)
-            wire = data[pos + 2:pos + 2 + m]
-            if len(wire) != m or not key:
-                raise InvalidArgument("truncated handle marker")
-            pos += 2 + m
-            if key in handles:
-                raise InvalidArgument(f"handle marker names {key!r} twice")
-            handles[key] = Handle.from_bytes(wire)
-    except (struct.error, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"malformed handle marker: {exc}") from exc
-    if not handles:
-        raise InvalidArgument("empty handle marker")
+    pos = 3
+
+    def field() -> bytes:
+        nonlocal pos
+        if pos + 2 > len(data):
+            raise InvalidArgument("truncated handle marker")
+        (n,) = _U16.unpack_from(data, pos)
+        if pos + 2 + n > len(data):
+            raise InvalidArgument("truncated handle marker")
+        pos += 2 + n
+        return data[pos - n:pos]
+
+    for _ in range(count):
+        try:
+            key = field().decode()
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"handle marker key is not UTF-8: {exc}") from exc
+        wire = field()
+        if not key or key in handles:
+            raise InvalidArgument(f"handle marker key {key!r} is empty or repeated")
+        handles[key] = Handle.from_bytes(wire)
+    if not handles or pos != len(data):
+        raise InvalidArgument("handle marker: no entry, or bytes past its last entry")
     return handles
 
 

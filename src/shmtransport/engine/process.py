@@ -181,15 +181,16 @@ def _group_alive(pgid: int) -> bool:
 
 
 def start_stock_and_ours(model_dir: str, daemon_socket: str, *, runtime_dir: str | os.PathLike[str],
-                         log_dir: str | os.PathLike[str], timeout_s: float = 600.0) -> dict[str, EngineServer]:
-    """vLLM's stock server and our worker over the same model, started side by side; both SERVING
-    on return (or both stopped and the error raised)."""
+                         log_dir: str | os.PathLike[str], timeout_s: float = 600.0,
+                         ours_env: dict[str, str] | None = None) -> dict[str, EngineServer]:
+    """vLLM's stock server and our worker (its environment plus ``ours_env``) over the same model,
+    started side by side; both SERVING on return (or both stopped and the error raised)."""
     stock_port, ours_port = free_port(), free_port()
     servers = {
         "stock": EngineServer(stock_argv(model_dir, stock_port), stock_port, runtime_dir=runtime_dir,
                               log_path=pathlib.Path(log_dir) / "stock.log"),
         "ours": EngineServer(worker_argv(model_dir, ours_port, daemon_socket), ours_port, runtime_dir=runtime_dir,
-                             log_path=pathlib.Path(log_dir) / "ours.log"),
+                             log_path=pathlib.Path(log_dir) / "ours.log", env=ours_env),
     }
     try:
         for server in servers.values():
