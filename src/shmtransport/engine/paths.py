@@ -40,8 +40,43 @@ _ids = itertools.count()
 # accepts messages of any size, so the inline cap is not the stock path's limit
 _BRIDGE_LIMITS = dataclasses.replace(DEFAULT_LIMITS, max_inline_bytes=1 << 31)
 PATHS = ("ours", "stock-shm", "stock-inline")
+# vLLM's in-tree ways to the model, each a vllm-worker given the same views (our request, our client)
+VLLM_PATHS = ("vllm-direct", "vllm-shm-cache", "vllm-torch-shm")
+WORKER_FLAGS = {
+    "ours": (),  # handles all the way to the model
+    "vllm-direct": ("--model-inputs", "views"),  # vLLM's default: MessagePack over ZMQ
+    "vllm-shm-cache": ("--model-inputs", "views", "--mm-processor-cache-type", "shm"),  # inject_into_mm_cache
+    "vllm-torch-shm": ("--model-inputs", "views", "--mm-tensor-ipc", "torch_shm"),
+}
+WORKER_ENV = {"vllm-torch-shm": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}}  # torch_shm refuses fork
 # host copies of the tensor bytes before the engine's input (see the module docstring)
-HOST_COPIES = {"ours": 1, "stock-shm": 5, "stock-inline": 4}
+HOST_COPIES = {"ours": 1, "stock-shm": 5, "stock-inline": 4, "vllm-direct": 1, "vllm-shm-cache": 1,
+               "vllm-torch-shm": 1}
+RING_CHUNK_NBYTES = 16 << 20  # VLLM_MQ_MAX_CHUNK_BYTES_MB: larger steps go over ZMQ to each rank
+
+
+def copies_to_model(path: str, tp: int, nbytes: int, *, worker_process: bool = True) -> int:
+    """Host copies of a request's tensor bytes from the renderer's output to the model's input,
+    by construction (``HOST_COPIES`` plus vLLM's hops; a batching copy of several items, the same
+    on every path, not counted). ``worker_process``: the model runs in a process of its own even at
+    TP=1 (vLLM's CPU backend), behind the EngineCore's broadcast ring.
+
+    - ours: the handles cross vLLM's hops; each rank maps the bytes.
+    - vllm-shm-cache: P0 copies the item into vLLM's ring, each rank decodes a copy out of it.
+    - vllm-torch-shm: P0 moves the tensor into torch shared memory (a copy) instead of the ZMQ
+      frames (a kernel copy in, one out); the rest as vLLM's default.
+    - every other path: ZMQ to the EngineCore (2), then into the broadcast ring and out in each rank
+      (1 + tp), or over ZMQ to each rank above the ring's chunk size (2 per rank)."""
+    before = HOST_COPIES[path]
+    if path == "ours":
+        return before
+    if path == "vllm-shm-cache":
+        return before + 1 + tp
+    hop1 = 1 if path == "vllm-torch-shm" else 2
+    if not worker_process and tp == 1:
+        return before + hop1
+    hop2 = 1 + tp if nbytes < RING_CHUNK_NBYTES else 2 * tp
+    return before + hop1 + hop2
 
 
 @dataclasses.dataclass

@@ -120,6 +120,28 @@ class EngineServer:
                 total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
         return total / os.sysconf("SC_CLK_TCK")
 
+    def cpu_by_process(self) -> dict[str, float]:
+        """CPU seconds used so far by each live process of this server, by role: ``api`` (the
+        leader) and vLLM's process titles (``EngineCore``, ``Worker_TP0``, ...)."""
+        if self.proc is None:
+            return {}
+        out: dict[str, float] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    title = f.read().split(b"\0")[0].decode(errors="replace")
+            except OSError:
+                continue
+            if int(fields[2]) != self.proc.pid:
+                continue
+            role = "api" if int(entry) == self.proc.pid else title.removeprefix("VLLM::").split()[0]
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+
     def wait_idle(self, timeout_s: float = 5.0, window_s: float = 0.05, max_busy: float = 0.1) -> bool:
         """Wait until the server uses less than ``max_busy`` of a core over ``window_s`` (its
         engine settles for a while after a request: on a machine with fewer cores than the engines

@@ -130,6 +130,7 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
         self.verify = verify
         self.limits = limits
         self.handles_to_model = handles_to_model
+        self.inject_into_shm_cache = not handles_to_model and _processor_cache_type(engine) == "shm"
         self._info = server_info(limits, native_generate=True)
 
     async def GetServerInfo(self, request: gpb.ServerInfoRequest,
@@ -150,6 +151,11 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
                               limits=self.limits)
         try:
             built = engine_prompt(prompt, inputs, handles_to_model=self.handles_to_model)
+            if self.inject_into_shm_cache:
+                # vLLM's own shared-memory cache, fed as Dynamo feeds it: each item is copied into
+                # its ring and replaced by the ring's address (the peer our handles are measured
+                # against).
+                self.engine.input_processor.inject_into_mm_cache(built["mm_hashes"], built["mm_kwargs"])
         except BaseException:
             inputs.consumed()
             raise
@@ -206,6 +212,15 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
 
         chunks = [c async for c in self.GenerateStream(request, context)]
         return fold(chunks, request_id=request.request_id)
+
+
+def _processor_cache_type(engine: Any) -> str | None:
+    """vLLM's ``--mm-processor-cache-type`` of ``engine`` when its multimodal processor cache is on."""
+    config = getattr(engine, "vllm_config", None)
+    multimodal = config.model_config.multimodal_config if config is not None else None
+    if multimodal is None or multimodal.mm_processor_cache_gb <= 0:
+        return None
+    return str(multimodal.mm_processor_cache_type)
 
 
 def _request_errors() -> tuple[type[Exception], ...]:
@@ -334,11 +349,13 @@ def _model_problem(model: str | None) -> str | None:
     return None if os.path.exists(path) else f"--model {model}: no such file or directory"
 
 
-def _vllm_problem(model_inputs: str) -> str | None:
-    """Why handles cannot ride to the model through the installed vLLM; None when they can (or
-    are not asked for)."""
+def _vllm_problem(model_inputs: str, processor_cache_type: str | None = None) -> str | None:
+    """Why handles cannot ride to the model through the installed vLLM, or with vLLM's own
+    shared-memory cache; None when they can (or are not asked for)."""
     if model_inputs != "handles":
         return None
+    if processor_cache_type == "shm":
+        return "--mm-processor-cache-type shm is vLLM's own way to the model: it takes --model-inputs views"
     import vllm
 
     problem = model_worker.check_vllm_version(vllm.__version__)
@@ -361,7 +378,8 @@ def run(args: argparse.Namespace) -> int:
     (``socket_lock.claim_socket``): while another live worker serves that path this raises
     ``SocketInUse`` and leaves its socket alone; at exit the socket is unlinked while still ours."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    problem = _address_problem(args.address) or _model_problem(args.model) or _vllm_problem(args.model_inputs)
+    problem = (_address_problem(args.address) or _model_problem(args.model)
+               or _vllm_problem(args.model_inputs, args.mm_processor_cache_type))
     path = unix_socket_path(args.address)
     claim = claim_socket(path, "shmtransport vllm-worker") if path is not None and problem is None else None
     try:
