@@ -26,8 +26,8 @@ Each path runs in blocks (a vLLM engine busy-polls for a second after a request;
 the other servers are idle, and its first request is untimed), two passes of blocks per kind. Rows
 carry p90, the host copies of the tensor bytes up to the model's input (``paths.copies_to_model``)
 and the CPU seconds per request of each vLLM process of the path's server (``api``, ``EngineCore``,
-``Worker_TP0``, ...). Correctness: one
-untimed request of the same content down every path gives ours' tokens (logprobs within 1e-3).
+``Worker_TP0``, ...). Correctness: one untimed request of the same content down every path gives
+ours' tokens (logprobs within 1e-3).
 The 64 MiB-class request is one 1792x1344 image as float32 pixels (57.8 MiB; 3,072 tokens).
 """
 from __future__ import annotations
