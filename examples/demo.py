@@ -1,8 +1,9 @@
 """``make demo`` (``python examples/demo.py``): the whole pipeline on one node — renderer -> shmtransportd ->
 worker server.
 
-By default the worker is vLLM's real engine (``examples/vllm_demo.py``: vLLM's stock gRPC server
-and our zero-copy ``vllm-worker`` side by side). ``--worker reference`` runs the reference worker
+By default the worker is vLLM's real engine (``examples/vllm_demo.py``: our ``vllm-worker``, whose
+handles ride to the process where the model runs, beside vLLM's stock gRPC server and, without
+``--quick``, vLLM's own in-tree ways to the model). ``--worker reference`` runs the reference worker
 described below instead.
 
 Three processes: the daemon (``shmtransport daemon``), the worker (``shmtransport worker``: a gRPC

@@ -152,6 +152,9 @@ def _print_table(kinds: dict, results: dict, parity: dict) -> bool:
             same = c.token_ids == ref.token_ids and all(abs(a - b) <= 1e-4 for a, b in zip(c.logprobs, ref.logprobs))
             ok &= same
             copies = paths.copies_to_model(path, 1, nbytes) + (1 if floats and path.startswith("stock") else 0)
+            if not same:  # say how far apart, so that a failure can be judged
+                print(f"  {path} vs ours: tokens {c.token_ids} vs {ref.token_ids}; largest logprob difference "
+                      f"{max((abs(a - b) for a, b in zip(c.logprobs, ref.logprobs)), default=0.0):.2e}")
             print(f"{kind if i == 0 else '':<20} {nbytes / 2**20 if i == 0 else 0:>6.1f} "
                   f"{path:<15} {statistics.median(c.first_token_s for c in runs) * ms:>13.1f}ms "
                   f"{_p90([c.first_token_s for c in runs]) * ms:>7.1f}ms "

@@ -202,6 +202,21 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+def launch_all(servers: dict[str, EngineServer], timeout_s: float) -> dict[str, EngineServer]:
+    """Launch every server side by side and wait until each serves; on any failure stop them all
+    and raise."""
+    try:
+        for server in servers.values():
+            server.launch()
+        for server in servers.values():
+            server.wait_serving(timeout_s)
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
+
+
 def start_stock_and_ours(model_dir: str, daemon_socket: str, *, runtime_dir: str | os.PathLike[str],
                          log_dir: str | os.PathLike[str], timeout_s: float = 600.0,
                          ours_env: dict[str, str] | None = None) -> dict[str, EngineServer]:
@@ -214,16 +229,7 @@ def start_stock_and_ours(model_dir: str, daemon_socket: str, *, runtime_dir: str
         "ours": EngineServer(worker_argv(model_dir, ours_port, daemon_socket), ours_port, runtime_dir=runtime_dir,
                              log_path=pathlib.Path(log_dir) / "ours.log", env=ours_env),
     }
-    try:
-        for server in servers.values():
-            server.launch()
-        for server in servers.values():
-            server.wait_serving(timeout_s)
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
-    return servers
+    return launch_all(servers, timeout_s)
 
 
 def start_paths(model_dir: str, daemon_socket: str, worker_paths: Sequence[str], *,
@@ -245,13 +251,4 @@ def start_paths(model_dir: str, daemon_socket: str, worker_paths: Sequence[str],
         servers[name] = EngineServer(worker_argv(model_dir, port, daemon_socket, (*WORKER_FLAGS[name], *tp_flags)),
                                      port, runtime_dir=runtime_dir, log_path=log / f"{name}-tp{tp}.log",
                                      env={**env, **WORKER_ENV.get(name, {})})
-    try:
-        for server in servers.values():
-            server.launch()
-        for server in servers.values():
-            server.wait_serving(timeout_s)
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
-    return servers
+    return launch_all(servers, timeout_s)
