@@ -3,13 +3,15 @@
 - ``stock``: our request -> SMG bridge -> vLLM's stock gRPC server (``VllmEngineServicer``). With
   ``shm=True`` each tensor is a ``ShmHandle`` of its own daemon-owned segment (the stock reader
   preads, copies into a bytearray, and unlinks each file); else the bytes ride inline in the message.
-- ``ours``: our request (handles into the daemon's arena) -> ``shmtransport vllm-worker``, which
-  hands vLLM zero-copy views of the arena.
+- ``ours``: our request (handles into the daemon's arena) -> ``shmtransport vllm-worker``, whose
+  handles ride through vLLM's engine to the process where the model runs.
+- ``vllm-*``: the same request to a ``vllm-worker`` that gives vLLM the views and lets one of
+  vLLM's own ways carry the bytes (``WORKER_FLAGS``).
 - the offline engine (``vllm.LLM``) given the same tensors, in the tests.
 
 Host copies of tensor bytes between the renderer's output and the engine's input (the API process's
 ``mm_input``), by path, counting our side and the server's (vLLM's own process hops come after this
-point and are the same for every path):
+point; ``copies_to_model`` adds them):
 
 - ours (shm): 1: ``put`` into the arena, digest fused (0 for a tensor rendered into a loan)
 - stock, shm: 5: into the request inline (1), the bridge's copy out of the request (1), ``put`` into

@@ -1,5 +1,5 @@
-"""``shmtransport vllm-worker``: vLLM's engine (AsyncLLM) behind our ``Generator`` service, fed with
-zero-copy views of the daemon's arena.
+"""``shmtransport vllm-worker``: vLLM's engine (AsyncLLM) behind our ``Generator`` service, fed
+from the daemon's arena without copies up to the model.
 
 It wraps the engine the way SMG's stock servicer does (preprocessed multimodal inputs go straight to
 ``AsyncLLM.generate`` as a ``mm_input``; vLLM's HF processor is bypassed), but reads the tensors
@@ -12,16 +12,17 @@ differently:
   the item's identity is recomputed from those bytes and checked before the engine sees it; tensors
   keep their dtype (vLLM's model casts on the device; raw uint8 pixels are never cast anyway).
 
-Lease lifetime: the leases are released as soon as the request is handed to the engine, and the
-client defers each release until the last view of its bytes is gone (a weak reference on the
-arena view that every derived numpy/torch tensor keeps alive). vLLM keeps the tensors while it
-serialises them to its EngineCore process (MessagePack with out-of-band zero-copy ZMQ frames) and
-for as long as any cache of its own holds them; the bytes stay leased exactly that long.
+Two ways to hand the tensors to vLLM (``--model-inputs``):
 
-What vLLM still copies (its own design, not avoidable from outside the engine): the API process
-sends each tensor to the EngineCore process over a ZMQ IPC socket (a kernel copy in, one out), and
-the EngineCore hands the scheduled inputs to its Worker process through its shared-memory
-broadcast queue (one more copy) before the encoder runs.
+- ``handles`` (default): vLLM gets items that carry the handles (``handle_items``); its EngineCore
+  forwards them and the process where the model runs maps the arena (``model_worker``, installed as
+  the engine's ``--worker-cls``), so vLLM's ZMQ socket and broadcast ring carry no tensor bytes.
+  This process holds the request's leases until it is over (``ABORT_GRACE_S`` longer if it ends
+  early).
+- ``views``: vLLM gets the views and copies the bytes itself (a kernel copy into and out of its ZMQ
+  socket to the EngineCore, then its broadcast ring to the workers); the leases are released once
+  the request is handed over, each deferred by the client until vLLM drops its last view. With
+  ``--mm-processor-cache-type shm`` the items go into vLLM's own ring (``inject_into_mm_cache``).
 """
 from __future__ import annotations
 
