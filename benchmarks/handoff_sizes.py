@@ -37,11 +37,14 @@ def _daemon_main(arena_nbytes: int, conn: "mp.connection.Connection") -> None:
     stop_daemon(daemon)
 
 
-def consumer(fd: int, socket_path: str) -> None:
-    """Serve handoffs until an empty packet: per handoff, its phase times; then the check."""
+def consumer(fd: int, socket_path: str, evict_mib: int) -> None:
+    """Serve handoffs until an empty packet: per handoff, its phase times; then the check.
+    ``evict_mib``: after each ack (untimed), copy that much private memory, as a consumer that
+    reads what it received does."""
     from shmtransport.client import Consumer, Handle
 
     sock = socket.socket(fileno=fd)
+    scratch = np.ones((2, evict_mib * MiB), np.uint8)
     times: dict[str, list[float]] = {phase: [] for phase in CONSUMER_PHASES}
     with Consumer(socket_path) as client:
         while True:
@@ -61,6 +64,7 @@ def consumer(fd: int, socket_path: str) -> None:
             lease.release()
             t4 = time.perf_counter()
             sock.send(b"\x01" if ok else b"\x00")
+            np.copyto(scratch[0], scratch[1])
             if not check:
                 for phase, dt in zip(CONSUMER_PHASES, (t1 - t0, t2 - t1, t4 - t3)):
                     times[phase].append(dt)
@@ -77,8 +81,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--arena-mib", type=int, default=1024)
     parser.add_argument("--evict-mib", type=int, default=0,
-                        help="after the write (untimed), also copy this many MiB of private memory: "
-                             "tells cache misses from work on the shared bytes")
+                        help="after the write and after the ack (untimed), the producer and the consumer "
+                             "each also copy this many MiB of private memory: tells cache and TLB misses "
+                             "from work on the shared bytes")
     parser.add_argument("--keep-view", action="store_true",
                         help="keep loan.array past commit (its pages are then made read-only)")
     args = parser.parse_args()
@@ -92,8 +97,8 @@ def main() -> None:
     daemon.start()
     socket_path = parent.recv()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    proc = subprocess.Popen([sys.executable, __file__, "--consumer", str(theirs.fileno()), socket_path],
-                            pass_fds=(theirs.fileno(),))
+    proc = subprocess.Popen([sys.executable, __file__, "--consumer", str(theirs.fileno()), socket_path,
+                             str(args.evict_mib)], pass_fds=(theirs.fileno(),))
     theirs.close()
     print(f"backend={os.environ.get('SHMTRANSPORT_BACKEND', 'default')} arena={args.arena_mib} MiB "
           f"reps={args.reps} keep_view={args.keep_view} evict_mib={args.evict_mib} (µs; write: untimed)")
@@ -146,6 +151,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--consumer":
-        consumer(int(sys.argv[2]), sys.argv[3])
+        consumer(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
     else:
         main()

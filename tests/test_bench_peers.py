@@ -115,6 +115,33 @@ def test_iceoryx2_peer_flag_is_true_when_clean_and_false_when_a_byte_is_flipped(
     assert set(usage["cpu_s_per_gb"]) == {"producer", "consumer"}
 
 
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("peer", ["shm_floor", "shm_loan", "iceoryx2_loan"])
+def test_a_consumer_receiving_in_its_main_thread_checks_the_bytes_and_runs_no_listener_thread(peer, request):
+    options: dict = {}
+    if peer == "iceoryx2_loan":
+        _needs(peer)
+        options = {"max_nbytes": NBYTES}
+    elif peer in OURS_PEERS:
+        options = {"socket_path": request.getfixturevalue("daemon_socket")}
+    with Session(peer, main_thread=True, **options) as session, Session(peer, **options) as listening:
+        assert session.name == f"{peer}:main"
+        assert _check_flags(session) == [True, False, False, True]
+        assert _check_flags(listening) == [True, False, False, True]
+        # the listener shape runs a listener thread (the harness's; iceoryx2's own too) that the
+        # main-thread shape does not
+        assert _threads(listening.consumer_pid) > _threads(session.consumer_pid)
+    if peer == "iceoryx2_loan":
+        from peers._iceoryx2 import remove_management_file
+
+        remove_management_file()
+
+
 def _ray_rounds() -> dict:
     """In a child: Ray's driver keeps event-loop fds and log files open after ``ray.shutdown``, which
     the fd check would count against this process."""

@@ -17,7 +17,7 @@ if importlib.util.find_spec("shmtransport") is None and _SRC.is_dir():  # repo c
 
 BASELINE_PEERS = ("memcpy", "bare_rtt", "grpc_inline", "mp_shared_memory", "segment_pread", "torch_mp_queue",
                   "grpc_inline_tcp", "vllm_msgpack_inline", "dynamo_segment", "mp_shared_memory_reused",
-                  "pickle5_oob")
+                  "pickle5_oob", "shm_floor")
 OURS_PEERS = ("shm_put_hash", "shm_put", "shm_loan", "shm_put_verify", "shm_loan_verify")
 # What a user would pick instead of us, each an optional package (the ``peers`` extra); both take
 # ``max_nbytes`` (the suite's largest payload) to size their shared memory up front.

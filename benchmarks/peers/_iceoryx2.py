@@ -34,6 +34,7 @@ from .common import (
 
 ACK_HOLDING = 1  # the consumer holds the sample (transport peer) / every digest matched (lifecycle)
 ACK_FAILED = 2  # the consumer failed (transport peer) / a digest did not match (lifecycle)
+CONTROL = 3  # on ``sent``: no sample, read the control pipe (a consumer waiting in its main thread)
 
 
 def iox2():
@@ -105,7 +106,7 @@ class Ports:
             self.subscriber = self.pubsub.subscriber_builder().create()
             self.listener = self.sent.listener_builder().create()
             self.notifier = self.ack.notifier_builder().create()
-        self._ack_ids = {i: iceoryx2.EventId.new(i) for i in (ACK_HOLDING, ACK_FAILED)}
+        self._ack_ids = {i: iceoryx2.EventId.new(i) for i in (ACK_HOLDING, ACK_FAILED, CONTROL)}
 
     def send(self, sample) -> None:
         sample.assume_init().send()

@@ -12,12 +12,19 @@ tuples:
     consumer -> producer   ("ready", pid)  ("ok",)  ("ack",)  ("flag", bool)  ("bye",)  ("error", traceback)
 
 and one ``SOCK_SEQPACKET`` socket pair for the timed hop of descriptor-passing peers
-(``Channel.handoff``): the pickled descriptor one way, one byte of ack back, served by a listener
-thread in the consumer that waits in ``recv``. That is the cheapest channel a user could pick (a
-~20 us round trip here against ~130 us for the control pipe's pickling and polling), and the same
-shape as the channel iceoryx2 brings with it (its event service, a listener thread): a descriptor
-peer's row measures the transport, not this harness. Peers whose data travels on another channel
-(gRPC, a torch queue) hand the received object over via ``Consumer.take``. Every blocking wait has
+(``Channel.handoff``): the pickled descriptor one way, one byte of ack back. That is the cheapest
+channel a user could pick (a ~20 us round trip here against ~130 us for the control pipe's pickling
+and polling): a descriptor peer's row measures the transport, not this harness. The consumer takes
+the handoff in one of two shapes (``Session(main_thread=)``):
+
+- a listener thread that waits in ``recv`` while the main thread serves the control pipe: the shape
+  of the channel iceoryx2 brings with it (its event service, a listener thread);
+- its main thread, blocked on the handoff and the control pipe at once (``select``; iceoryx2: its
+  event listener, which the producer also notifies after each control message): no second thread,
+  no polling, as a single-threaded worker loop receives. Rows of this shape are named ``<peer>:main``.
+
+Peers whose data travels on another channel (gRPC, a torch queue) hand the received object over via
+``Consumer.take``. Every blocking wait has
 a timeout; a consumer exception comes back as ``("error", traceback)`` (or an ``ERROR`` packet on
 the socket) and is re-raised in the producer as ``PeerError``.
 
@@ -32,6 +39,7 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
+import select
 import shutil
 import socket
 import tempfile
@@ -54,6 +62,7 @@ CORRUPT_MODES = (None, "sender", "receiver")
 
 
 ROLES = ("producer", "consumer", "daemon")
+MAIN_THREAD_SUFFIX = ":main"  # the row name of a peer whose consumer receives in its main thread
 
 
 class PeerError(RuntimeError):
@@ -119,9 +128,13 @@ class Channel:
         self.who = who
         self.sock = handoff_sock
         self.sock.settimeout(REPLY_TIMEOUT_S)
+        # Set by a peer whose main-thread consumer sleeps on the peer's own channel, not on the pipe.
+        self.wake: Any = None
 
     def send(self, msg: tuple) -> None:
         self.conn.send(msg)
+        if self.wake is not None:
+            self.wake()
 
     def recv(self, expect: str, timeout_s: float = REPLY_TIMEOUT_S):
         msg = wait_reply(self.conn, timeout_s, self.who)
@@ -148,8 +161,10 @@ class ProducerBase:
     name = "?"
     consumer_class: str | None = "Consumer"  # attribute of the same module; None = single process
 
-    def __init__(self, workdir: str, **options: Any):
+    def __init__(self, workdir: str, main_thread: bool = False, **options: Any):
+        """``main_thread``: the consumer receives in its main thread (see the module docstring)."""
         self.workdir = workdir
+        self.main_thread = main_thread
         self.options = options
         self.chan: Channel | None = None
 
@@ -206,6 +221,11 @@ class ConsumerBase:
         """Untimed: the data received on the peer's own channel since the last check."""
         raise NotImplementedError
 
+    # A peer with its own channel that can receive in the main thread (``main_thread=True``)
+    # sets this to a method: block until its channel or a control wake-up stirs (at most
+    # ``timeout_s``), then receive and ack what arrived.
+    serve_in_main_thread: Any = None
+
     def release(self) -> None:
         """Untimed, after the check."""
 
@@ -220,69 +240,92 @@ class _HandoffListener:
     the write happens before the read. A failed receive ends the child, as one in the control loop
     does."""
 
-    def __init__(self, consumer: "ConsumerBase", sock: socket.socket):
+    def __init__(self, consumer: "ConsumerBase", sock: socket.socket, thread: bool = True):
+        """``thread=False``: no thread; the main loop calls ``serve_one`` when the socket is readable."""
         self.consumer = consumer
         self.sock = sock
         self.pending: Any = None
         self.failure: str | None = None  # a failed receive's traceback: the control loop exits on it
-        self.thread = threading.Thread(target=self._serve, name="handoff-listener", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None
+        if thread:
+            self.thread = threading.Thread(target=self._serve, name="handoff-listener", daemon=True)
+            self.thread.start()
 
     def _serve(self) -> None:
-        while True:
+        while self.serve_one():
+            pass
+
+    def serve_one(self) -> bool:
+        """Receive one descriptor, turn it into the data and ack; False once the socket is done
+        (closed by the producer, or a failed receive, reported to the producer)."""
+        try:
+            packet = self.sock.recv(MAX_PACKET)
+        except OSError:
+            return False
+        if not packet:  # the producer closed its end
+            return False
+        try:
+            self.pending = self.consumer.receive(pickle.loads(packet))
+        except BaseException:  # noqa: BLE001 — goes back to the producer; the child then exits
+            self.failure = traceback.format_exc()
             try:
-                packet = self.sock.recv(MAX_PACKET)
+                self.sock.send(HANDOFF_ERROR + self.failure[-MAX_PACKET // 2:].encode())
             except OSError:
-                return
-            if not packet:  # the producer closed its end
-                return
-            try:
-                self.pending = self.consumer.receive(pickle.loads(packet))
-            except BaseException:  # noqa: BLE001 — goes back to the producer; the child then exits
-                self.failure = traceback.format_exc()
-                try:
-                    self.sock.send(HANDOFF_ERROR + self.failure[-MAX_PACKET // 2:].encode())
-                except OSError:
-                    pass
-                return
-            try:
-                self.sock.send(HANDOFF_ACK)
-            except OSError:
-                return
+                pass
+            return False
+        try:
+            self.sock.send(HANDOFF_ACK)
+        except OSError:
+            return False
+        return True
 
     def take(self) -> Any:
         pending, self.pending = self.pending, None
         return pending
 
     def stop(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's recv
-        self.thread.join(JOIN_TIMEOUT_S)
+        if self.thread is not None:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's recv
+            self.thread.join(JOIN_TIMEOUT_S)
         self.sock.close()
 
 
+def _wait(conn, listener: "_HandoffListener", consumer: "ConsumerBase", main_thread: bool) -> bool:
+    """Until a control message is readable (True) or ``IDLE_POLL_S`` passed quietly (False); in the
+    main-thread shape, the handoffs that arrive meanwhile are received and acked here."""
+    if not main_thread:
+        return bool(conn.poll(IDLE_POLL_S))
+    if consumer.serve_in_main_thread is not None:  # the peer's own channel (the producer wakes it)
+        consumer.serve_in_main_thread(IDLE_POLL_S)
+        return bool(conn.poll(0))  # the producer writes the pipe before it wakes the channel
+    readable, _, _ = select.select([conn, listener.sock], [], [], IDLE_POLL_S)
+    if listener.sock in readable and not listener.serve_one():
+        listener.failure = listener.failure or "the handoff socket closed"
+    return conn in readable
+
+
 def consumer_main(module_name: str, class_name: str, kwargs: dict[str, Any], conn,
-                  handoff_sock: socket.socket) -> None:
-    """Entry point of every consumer child."""
+                  handoff_sock: socket.socket, main_thread: bool = False) -> None:
+    """Entry point of every consumer child; ``main_thread``: see the module docstring."""
     consumer = None
     listener = None
     try:
         module = importlib.import_module(module_name)
         consumer = getattr(module, class_name)(**kwargs)
-        listener = _HandoffListener(consumer, handoff_sock)
+        listener = _HandoffListener(consumer, handoff_sock, thread=not main_thread)
         conn.send(("ready", os.getpid()))
         parent = mp.parent_process()
         digest = 0
         pending: Any = None
-        idle_s = 0.0
+        idle_since = time.monotonic()
         while True:
             if listener.failure is not None:  # already sent to the producer on the socket
                 return
-            if not conn.poll(IDLE_POLL_S):
-                idle_s += IDLE_POLL_S
-                if (parent is not None and not parent.is_alive()) or idle_s > IDLE_LIMIT_S:
+            if not _wait(conn, listener, consumer, main_thread):
+                if (parent is not None and not parent.is_alive()) or time.monotonic() - idle_since > IDLE_LIMIT_S:
                     return
                 continue
-            idle_s = 0.0
+            idle_since = time.monotonic()
             msg = conn.recv()
             kind = msg[0]
             if kind == "xfer":
@@ -411,13 +454,15 @@ class Usage:
 class Session:
     """One peer: its producer object here, its consumer in a spawned child."""
 
-    def __init__(self, peer: str, daemon_pid: int | None = None, **options: Any):
+    def __init__(self, peer: str, daemon_pid: int | None = None, main_thread: bool = False, **options: Any):
+        """``main_thread``: the consumer receives in its main thread (module docstring); the
+        session's ``name`` is then ``<peer>:main``."""
         self.peer_name = peer
         self.daemon_pid = daemon_pid  # shmtransport's daemon, whose CPU and RSS count for our peers
         self.module_name = f"peers.{peer}"
         module = importlib.import_module(self.module_name)
         self.workdir = tempfile.mkdtemp(prefix=f"stb-{peer[:8]}-")
-        self.producer: ProducerBase = module.Producer(self.workdir, **options)
+        self.producer: ProducerBase = module.Producer(self.workdir, main_thread=main_thread, **options)
         self.proc = None
         self.conn = None
         self.handoff_sock: socket.socket | None = None
@@ -427,7 +472,7 @@ class Session:
 
     @property
     def name(self) -> str:
-        return self.producer.name
+        return self.producer.name + (MAIN_THREAD_SUFFIX if self.producer.main_thread else "")
 
     def start(self) -> "Session":
         try:
@@ -437,7 +482,7 @@ class Session:
                 self.handoff_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 self.proc = CTX.Process(target=consumer_main, name=f"consumer-{self.peer_name}",
                                         args=(self.module_name, cls, self.producer.consumer_kwargs(), child,
-                                              child_sock),
+                                              child_sock, self.producer.main_thread),
                                         daemon=True)
                 self.conn = parent
                 try:

@@ -52,6 +52,10 @@ class Consumer(ConsumerBase):
         self.teardown()  # the producer replaced its segment
 
     def receive(self, descriptor) -> np.ndarray:
+        return self._attached(descriptor).copy()
+
+    def _attached(self, descriptor) -> np.ndarray:
+        """The segment ``descriptor`` names, mapped here (attached on a new name, then kept)."""
         name, nbytes = descriptor
         if self.shm is None or self.shm.name != name:
             self.teardown()
@@ -62,7 +66,7 @@ class Consumer(ConsumerBase):
             finally:
                 resource_tracker.register = register
             self.src = np.ndarray((nbytes,), dtype=np.uint8, buffer=self.shm.buf)
-        return self.src.copy()
+        return self.src
 
     def teardown(self) -> None:
         self.src = None

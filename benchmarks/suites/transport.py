@@ -20,7 +20,7 @@ import traceback
 
 from harness import Report
 from peers import ALTERNATIVE_PEERS, BASELINE_PEERS, OURS_PEERS, _ours, import_error
-from peers.common import Session, digest_of, rss_kib, seeded_payload
+from peers.common import MAIN_THREAD_SUFFIX, Session, digest_of, rss_kib, seeded_payload
 from rounds import add_size_row, close_sessions, measure_size, size_label
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -31,6 +31,9 @@ QUICK_PLAN = {4 * KiB: (30, 3), 1 * MiB: (15, 2), 64 * MiB: (5, 1)}
 LIFECYCLE = {"pairs": 4, "tensors": 4, "nbytes": 64 * KiB}
 RATE_DURATION_S = {True: 1.5, False: 5.0}
 BIG = 64 * MiB
+# Measured a second time with the consumer receiving in its main thread (``<peer>:main``): the
+# floor (raw shared memory over the same channel, zero copies), our loan and iceoryx2's.
+MAIN_THREAD_PEERS = ("shm_floor", "shm_loan", "iceoryx2_loan")
 
 
 def _our_segments() -> set[str]:
@@ -59,8 +62,9 @@ def run(quick: bool) -> Report:
             try:
                 # Our peers share this daemon, and the harness keeps each consumer's last view until
                 # that peer's next round (its lease stays held meanwhile): room for one object of
-                # the largest size per peer, plus the one being placed.
-                arena = (len(OURS_PEERS) + 1) * max(plan)
+                # the largest size per peer (and shape), plus the one being placed.
+                ours = len(OURS_PEERS) + len(set(OURS_PEERS) & set(MAIN_THREAD_PEERS))
+                arena = (ours + 1) * max(plan)
                 daemon = _ours.DaemonProcess(os.path.join(workdir, "d.sock"), arena).start()
                 rss["idle_start"] = rss_kib(daemon.pid)
                 peers += OURS_PEERS
@@ -77,14 +81,16 @@ def run(quick: bool) -> Report:
                 peers.append(name)
             else:
                 report.notes.append(f"SKIPPED {name}: {why_not}; install the peers extra")
-        for name in peers:
+        shapes = [(name, False) for name in peers] + [(name, True) for name in peers if name in MAIN_THREAD_PEERS]
+        for name, main_thread in shapes:
             options = {"socket_path": daemon.socket_path, "daemon_pid": daemon.pid} if name in OURS_PEERS else {}
             if name in ALTERNATIVE_PEERS:
                 options = {"max_nbytes": max(plan)}
+            key = name + (MAIN_THREAD_SUFFIX if main_thread else "")
             try:
-                sessions[name] = Session(name, **options).start()
+                sessions[key] = Session(name, main_thread=main_thread, **options).start()
             except Exception:  # noqa: BLE001
-                report.notes.append(f"ERROR {name} did not start; no rows:\n" + traceback.format_exc(limit=6))
+                report.notes.append(f"ERROR {key} did not start; no rows:\n" + traceback.format_exc(limit=6))
 
         _measure_sizes(report, sessions, plan, daemon, rss)
         _measure_rates(report, sessions, daemon, quick, rss)
@@ -183,9 +189,17 @@ def _ratios(report: Report, plan) -> None:
                  "torch_mp_queue", "pickle5_oob"):  # no targets: every peer against the default put path
         put(f"{peer}_speedup_{tag}", div(med(peer, BIG), ours))
     put(f"put_verify_over_put_{tag}", div(med("shm_put_verify", BIG), ours))  # the worker's verification
+    main = MAIN_THREAD_SUFFIX
     for n in plan:  # the alternatives against our path of the same shape: in-place write / one copy in
-        put(f"iceoryx2_loan_speedup_{size_label(n)}", div(med("iceoryx2_loan", n), med("shm_loan", n)))
-        put(f"ray_put_speedup_{size_label(n)}", div(med("ray_put", n), med("shm_put", n)))
+        label = size_label(n)
+        put(f"iceoryx2_loan_speedup_{label}", div(med("iceoryx2_loan", n), med("shm_loan", n)))
+        put(f"ray_put_speedup_{label}", div(med("ray_put", n), med("shm_put", n)), ">= 10")
+        # consumers receiving in their main thread: the shape a single-threaded worker loop has
+        put(f"iceoryx2_loan_speedup_main_{label}", div(med("iceoryx2_loan" + main, n), med("shm_loan" + main, n)),
+            ">= 1")
+        put(f"loan_over_floor_{label}", div(med("shm_loan", n), med("shm_floor", n)))
+        put(f"loan_over_floor_main_{label}", div(med("shm_loan" + main, n), med("shm_floor" + main, n)))
+        put(f"iceoryx2_over_floor_main_{label}", div(med("iceoryx2_loan" + main, n), med("shm_floor" + main, n)))
     put(f"loan_verify_over_loan_{tag}", div(med("shm_loan_verify", BIG), med("shm_loan", BIG)))
     rates = {row["name"]: row for row in report.rows if row["name"] in ("lifecycles", "bare_rpc_rate")}
     if len(rates) == 2:
