@@ -103,25 +103,7 @@ def tp2(vllm_session, tmp_path_factory):
     finally:
         client.close()
         server.stop()
-        _remove_vllms_orphans(before)
-
-
-def _remove_vllms_orphans(before: set[str]) -> None:
-    """vLLM's own /dev/shm buffers of the TP=2 server (its broadcast rings ``psm_*`` and CPU
-    tensor-parallel buffers ``vllm_dist_*``), which vLLM frees only on a clean exit: the SIGKILL
-    test leaves them (ours are reclaimed by the daemon). Only entries new since the server started
-    and mapped by no live process."""
-    mapped = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                mapped |= {line.split("/dev/shm/", 1)[1].split(" (deleted)")[0].strip()
-                           for line in maps if "/dev/shm/" in line}
-        except OSError:
-            continue
-    for name in set(os.listdir("/dev/shm")) - before - mapped:
-        if name.startswith(("psm_", "vllm_dist_")):
-            os.unlink(os.path.join("/dev/shm", name))
+        process.remove_vllm_orphans(before)  # the SIGKILL test leaves vLLM's own buffers
 
 
 def test_every_rank_encodes_from_the_arena_at_tp2_with_tp1s_tokens(vllm_session, tp2):

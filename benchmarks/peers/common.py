@@ -24,9 +24,9 @@ the handoff in one of two shapes (``Session(main_thread=)``):
   no polling, as a single-threaded worker loop receives. Rows of this shape are named ``<peer>:main``.
 
 Peers whose data travels on another channel (gRPC, a torch queue) hand the received object over via
-``Consumer.take``. Every blocking wait has
-a timeout; a consumer exception comes back as ``("error", traceback)`` (or an ``ERROR`` packet on
-the socket) and is re-raised in the producer as ``PeerError``.
+``Consumer.take``. Every blocking wait has a timeout; a consumer exception comes back as
+``("error", traceback)`` (or an ``ERROR`` packet on the socket) and is re-raised in the producer as
+``PeerError``.
 
 Resource use per timed span (``Session.usage``): CPU seconds of each process involved (producer = this
 process, consumer, and shmtransport's daemon when there is one) from the kernel's per-process CPU

@@ -102,6 +102,7 @@ def _run_tp(report: Report, model: str, socket_path: str, tmp: str, tp: int, qui
     from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
 
     worker_paths = [p for p in paths.WORKER_FLAGS if not (p == "vllm-torch-shm" and tp > 1)]  # refused at TP>1
+    shm_before = set(os.listdir("/dev/shm"))
     servers = process.start_paths(model, socket_path, worker_paths, tp=tp, log_dir=tmp,
                                   runtime_dir=os.path.join(tempfile.gettempdir(), "shmtransport-vllm"))
     clients: dict = {}
@@ -172,3 +173,6 @@ def _run_tp(report: Report, model: str, socket_path: str, tmp: str, tp: int, qui
             client.close()
         for server in servers.values():
             server.stop()
+        left = process.remove_vllm_orphans(shm_before)  # a server killed after its grace leaves vLLM's own
+        if left:
+            report.notes.append(f"TP={tp}: removed /dev/shm buffers vLLM left behind: {sorted(left)}")

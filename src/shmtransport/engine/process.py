@@ -202,6 +202,31 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+def remove_vllm_orphans(before: set[str]) -> list[str]:
+    """Unlink vLLM's own /dev/shm entries (its broadcast rings ``psm_*``, CPU tensor-parallel
+    buffers ``vllm_dist_*`` and multiprocessing semaphores ``sem.mp-*``) that servers stopped since
+    ``before`` (a listing of /dev/shm) left behind: vLLM frees them only on a clean exit, and a
+    server killed (after its grace, or by a test) leaves them. Only entries new since ``before``
+    and mapped by no live process; the names removed."""
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped |= {line.split("/dev/shm/", 1)[1].split(" (deleted)")[0].strip()
+                           for line in maps if "/dev/shm/" in line}
+        except OSError:
+            continue
+    removed = []
+    for name in set(os.listdir("/dev/shm")) - before - mapped:
+        if name.startswith(("psm_", "vllm_dist_", "sem.mp-")):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def launch_all(servers: dict[str, EngineServer], timeout_s: float) -> dict[str, EngineServer]:
     """Launch every server side by side and wait until each serves; on any failure stop them all
     and raise."""
