@@ -58,6 +58,8 @@ ONCE_UNDER_C = {
                               "the resolver under both backends is test_handle_items.py",
     "test_generator_client.py": "the public Generator client against vLLM's engine (the shared engine session "
                                 "starts once, under C); its Python code does not touch the kernels",
+    "test_engine_families.py": "several model families on vLLM's engine (three engine sessions); the kernels' part "
+                               "of that path runs under both backends in the protocol and worker tests",
     "test_vllm_renderer.py": "vLLM's own processor against our hand-written renderer (no kernel involved)",
     "test_aio.py": "the asyncio wrapper; its tests already run each call with and without the object table",
     "test_pytest_plugin_xdist.py": "the plugin's leak attribution under xdist",

@@ -78,19 +78,29 @@ def raw_prompt(model: str, items: list[tuple[str, np.ndarray]]) -> tuple[list[in
     return tokens + [7, 8], media
 
 
+def raw_offline_arrays(requests: dict[str, tuple[list[int], list[tuple[str, Any]]]]) -> dict[str, np.ndarray]:
+    """Requests of source media for tests/engine/offline_vllm.py: name -> (token ids with one
+    placeholder per item, items in prompt order as (modality, source)); a source may be vLLM's
+    (array, metadata) pair: a video with its metadata, an audio clip with its sample rate."""
+    arrays = {}
+    for name, (tokens, items) in requests.items():
+        metadata = {}
+        for i, (_, source) in enumerate(items):
+            if isinstance(source, tuple):
+                source, metadata[str(i)] = source
+            arrays[f"{name}/{i}/media"] = source
+        meta = {"raw": True, "token_ids": tokens, "modalities": [m for m, _ in items], "max_tokens": MAX_TOKENS,
+                "logprobs": 1, "metadata": metadata}
+        arrays[f"{name}/meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    return arrays
+
+
 def _offline_requests(scenarios: dict, path: str, model: str) -> None:
     """The scenarios as tensors + JSON for tests/engine/offline_vllm.py, and RAW_SCENARIOS as media."""
     from shmtransport.identity import item_identity
 
-    arrays = {}
-    for name in RAW_SCENARIOS:
-        items = raw_media(name)
-        tokens, _ = raw_prompt(model, items)
-        for i, (_, source) in enumerate(items):
-            arrays[f"{name}/{i}/media"] = source
-        meta = {"raw": True, "token_ids": tokens, "modalities": [m for m, _ in items], "max_tokens": MAX_TOKENS,
-                "logprobs": 1}
-        arrays[f"{name}/meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    arrays = raw_offline_arrays({name: (raw_prompt(model, raw_media(name))[0], raw_media(name))
+                                 for name in RAW_SCENARIOS})
     for name, prompt in scenarios.items():
         meta = {"token_ids": prompt.token_ids, "max_tokens": MAX_TOKENS, "logprobs": 1, "items": []}
         for i, f in enumerate(prompt.features):
@@ -106,6 +116,25 @@ def _offline_requests(scenarios: dict, path: str, model: str) -> None:
     np.savez(path, **arrays)
 
 
+def start_offline(model: str, requests_path: str, out_path: str, root: Any) -> subprocess.Popen:
+    """vLLM's offline engine over ``requests_path`` in a child process (its own session, its log
+    ``root/offline.log``); it writes the reference outputs to ``out_path`` and exits."""
+    from shmtransport.engine import environment
+
+    env = environment.with_defaults(environment.isolated_environment(root / "runtime"), os.environ)
+    with open(root / "offline.log", "wb") as log:  # the child keeps its own copy of the fd
+        return subprocess.Popen([sys.executable, os.path.join(HERE, "engine", "offline_vllm.py"), model,
+                                 requests_path, out_path], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop_offline(offline: subprocess.Popen | None) -> None:
+    """Kill the offline engine's process group if it still runs."""
+    if offline is not None and offline.poll() is None:
+        os.killpg(offline.pid, 9)
+        offline.wait()
+
+
 @pytest.fixture(scope="session")
 def vllm_session(tmp_path_factory):
     for module in ("torch", "vllm", "transformers"):  # conftest: a failure under SHMTRANSPORT_REQUIRE_EXTRAS
@@ -114,7 +143,7 @@ def vllm_session(tmp_path_factory):
 
     from shmtransport import NO_INLINE, GeneratorClient, testing
     from shmtransport.client import Consumer, Producer
-    from shmtransport.engine import environment, model_worker, process, tiny_model
+    from shmtransport.engine import model_worker, process, tiny_model
     from shmtransport.engine.qwen2_vl import Qwen2VLRenderer
 
     root = tmp_path_factory.mktemp("vllm")
@@ -125,15 +154,10 @@ def vllm_session(tmp_path_factory):
     daemon = testing.start_daemon(arena_nbytes=256 << 20)
     runtime = root / "runtime"
     offline_out = root / "offline.json"
-    offline_env = environment.with_defaults(environment.isolated_environment(runtime), os.environ)
     offline = None
     servers: dict = {}
     try:
-        with open(root / "offline.log", "wb") as log:  # the child keeps its own copy of the fd
-            offline = subprocess.Popen([sys.executable, os.path.join(HERE, "engine", "offline_vllm.py"), str(model),
-                                        str(root / "offline.npz"), str(offline_out)],
-                                       env=offline_env,
-                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        offline = start_offline(str(model), str(root / "offline.npz"), str(offline_out), root)
         encoder_log = root / "encoder_inputs.jsonl"  # where each tensor our worker's model encodes lies
         servers = process.start_stock_and_ours(model, daemon.config.socket_path, runtime_dir=runtime, log_dir=root,
                                                ours_env={model_worker.ENCODER_INPUT_LOG_ENV: str(encoder_log)})
@@ -155,9 +179,7 @@ def vllm_session(tmp_path_factory):
         producer.close()
         consumer.close()
     finally:
-        if offline is not None and offline.poll() is None:
-            os.killpg(offline.pid, 9)
-            offline.wait()
+        stop_offline(offline)
         for server in servers.values():
             server.stop()
         testing.stop_daemon(daemon)

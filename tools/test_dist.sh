@@ -4,7 +4,8 @@
 #     and check its tag;
 #  2. the manylinux wheel in a fresh venv: the C kernels load, and the core tests pass against it;
 #  3. the sdist installed in a fresh venv on a machine with no C compiler: the install succeeds on
-#     the pure-Python kernels, and the pure-Python suite passes from the unpacked sdist;
+#     the pure-Python kernels, and the core tests pass from the unpacked sdist (the whole suite runs
+#     on the pure-Python kernels in `make test-python`; here it would only repeat that);
 #  4. the README's install lines, as written, in a fresh venv from a copy of the checkout: the
 #     package, then a wheel built and installed; a daemon, `health` and a round trip run from it.
 # Tests that need an optional upstream package (vLLM, SMG, Dynamo, ...) skip in these venvs; they
@@ -53,7 +54,8 @@ tar -xzf "$sdist" -C "$OUT/sdist" --strip-components=1
 (cd "$OUT" && venv-nocc/bin/python -c \
   "import shmtransport; assert shmtransport.BACKEND == 'python', shmtransport.BACKEND" 2>&1 \
   | grep -q "using the pure-Python kernels")
-(cd "$OUT/sdist" && SHMTRANSPORT_BACKEND=python ../venv-nocc/bin/python -m pytest -q)
+# shellcheck disable=SC2086
+(cd "$OUT/sdist" && SHMTRANSPORT_BACKEND=python ../venv-nocc/bin/python -m pytest -q $CORE_TESTS)
 
 echo "== the README's install lines in a fresh venv, from a copy of the checkout"
 rm -rf "$OUT/checkout" "$OUT/venv-readme" && mkdir -p "$OUT/checkout"

@@ -4,7 +4,8 @@ Usage: ``python offline_vllm.py MODEL_DIR REQUESTS.npz OUT.json``. Each request 
 of arrays named ``<r>/<item>/<key>`` plus ``<r>/meta`` (JSON: prompt token ids, per item the modality,
 its field layout, placeholder and identity, and the sampling controls). The tensors go to the engine
 as a preprocessed ``mm_input``, exactly as a gRPC server hands them over. A request whose meta says
-``raw`` instead holds source media (``<r>/<item>/media``: an HxWx3 image or a TxHxWx3 video) and
+``raw`` instead holds source media (``<r>/<item>/media``: an HxWx3 image, a TxHxWx3 video or an audio
+waveform; a video's metadata or a clip's sample rate in the meta's ``metadata``) and
 prompt token ids with one placeholder per item: ``LLM.generate`` processes them itself, with vLLM's
 own processor. The outputs (token ids and the chosen tokens' logprobs) are written as JSON.
 """
@@ -55,7 +56,11 @@ def _raw_prompt(meta: dict, arrays: dict) -> dict:
     media: dict[str, list] = {}
     for i, modality in enumerate(meta["modalities"]):
         source = arrays[f"{i}/media"]
-        media.setdefault(modality, []).append(Image.fromarray(source) if modality == "image" else source)
+        if modality == "image":
+            source = Image.fromarray(source)
+        elif str(i) in meta.get("metadata", {}):
+            source = (source, meta["metadata"][str(i)])
+        media.setdefault(modality, []).append(source)
     return {"prompt_token_ids": meta["token_ids"], "multi_modal_data": media}
 
 

@@ -244,16 +244,17 @@ def launch_all(servers: dict[str, EngineServer], timeout_s: float) -> dict[str, 
 
 def start_stock_and_ours(model_dir: str, daemon_socket: str, *, runtime_dir: str | os.PathLike[str],
                          log_dir: str | os.PathLike[str], timeout_s: float = 600.0,
-                         ours_env: dict[str, str] | None = None) -> dict[str, EngineServer]:
-    """vLLM's stock server and our worker (its environment plus ``ours_env``) over the same model,
-    started side by side; both SERVING on return (or both stopped and the error raised)."""
-    stock_port, ours_port = free_port(), free_port()
-    servers = {
-        "stock": EngineServer(stock_argv(model_dir, stock_port), stock_port, runtime_dir=runtime_dir,
-                              log_path=pathlib.Path(log_dir) / "stock.log"),
-        "ours": EngineServer(worker_argv(model_dir, ours_port, daemon_socket), ours_port, runtime_dir=runtime_dir,
-                             log_path=pathlib.Path(log_dir) / "ours.log", env=ours_env),
-    }
+                         ours_env: dict[str, str] | None = None, stock: bool = True) -> dict[str, EngineServer]:
+    """vLLM's stock server (unless ``stock`` is false) and our worker (its environment plus
+    ``ours_env``) over the same model, started side by side; all SERVING on return (or all
+    stopped and the error raised)."""
+    ours_port = free_port()
+    servers = {"ours": EngineServer(worker_argv(model_dir, ours_port, daemon_socket), ours_port,
+                                    runtime_dir=runtime_dir, log_path=pathlib.Path(log_dir) / "ours.log", env=ours_env)}
+    if stock:
+        stock_port = free_port()
+        servers["stock"] = EngineServer(stock_argv(model_dir, stock_port), stock_port, runtime_dir=runtime_dir,
+                                        log_path=pathlib.Path(log_dir) / "stock.log")
     return launch_all(servers, timeout_s)
 
 

@@ -8,15 +8,14 @@ Sizes that vLLM's CPU backend accepts: text hidden 128 with 2 query heads and 1 
 64; the CPU attention refuses 16), ``mrope_section`` [8, 12, 12] (sums to head_dim / 2); vision
 embed 64, depth 2, patch 14, temporal patch 2, merge 2. About 650k parameters, ~1.3 MB in bf16.
 
-Audio: vLLM's audio models (Whisper encoder-decoder, Qwen2-Audio) do not run on its CPU backend in
-this configuration, so audio stays on the reference worker; the SMG bridge refuses it with a typed
-error.
+Other families (Qwen2.5-VL, LLaVA, Gemma 3, Qwen2-Audio) are in ``tiny_families``.
 """
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+from typing import Mapping, Sequence
 
 from ..errors import InternalError
 
@@ -46,22 +45,30 @@ _CORPUS = (
 FORMAT = 2  # bump when the files written below change, so cached model directories are rebuilt
 
 
-def _tokenizer(directory: pathlib.Path) -> dict[str, int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(directory: pathlib.Path, special_tokens: Sequence[str], *, eos: str, pad: str, chat_template: str,
+                    named: Mapping[str, str] | None = None, plain: Sequence[str] = ()) -> dict[str, int]:
+    """A byte-level BPE tokenizer trained on the built-in corpus, with ``special_tokens``, saved to
+    ``directory``; ``named``: attributes a processor reads from its tokenizer (e.g. ``boi_token``);
+    ``plain``: ordinary tokens that must be in the vocabulary as they are written (a processor that
+    looks up ``"\\n"`` by its text, where byte-level BPE would spell it ``"Ċ"``). Returns each
+    special token's id."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=list(SPECIAL_TOKENS[1:]))
-    fast.chat_template = CHAT_TEMPLATE
+    tok.add_tokens([AddedToken(t, normalized=False) for t in plain])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
+                                   additional_special_tokens=[t for t in special_tokens if t != pad],
+                                   extra_special_tokens=dict(named or {}))
+    fast.chat_template = chat_template
     fast.save_pretrained(directory)
     ids: dict[str, int] = {}
-    for t in SPECIAL_TOKENS:
+    for t in special_tokens:
         token_id = tok.token_to_id(t)
         if token_id is None:  # trained as special tokens: always in the vocabulary
             raise InternalError(f"the trained tokenizer has no id for {t!r}")
@@ -95,7 +102,8 @@ def build(directory: str | os.PathLike[str], *, seed: int = 0) -> pathlib.Path:
     if stamp.exists() and json.loads(stamp.read_text()) == build_id:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    ids = _tokenizer(directory)
+    ids = train_tokenizer(directory, SPECIAL_TOKENS, eos="<|im_end|>", pad="<|endoftext|>",
+                          chat_template=CHAT_TEMPLATE)
     _processor_configs(directory)
     vocab = 512  # >= the trained vocabulary + specials, a multiple of 64
     config = Qwen2VLConfig(

@@ -21,7 +21,7 @@ import dataclasses
 import time
 from typing import Any, Mapping, Sequence
 
-from ..embedmask import PlaceholderRange
+from ..embedmask import EmbedMask, PlaceholderRange
 from ..errors import InvalidArgument
 from ..protocol.items import FeatureItem, FieldConfig
 
@@ -65,8 +65,10 @@ class VllmRenderer:
     def render(self, prompt: str | Sequence[int], media: Mapping[str, Sequence[Any]]) -> RenderedRequest:
         """``prompt``: text or token ids holding one placeholder per item (for Qwen2-VL,
         ``<|vision_start|><|image_pad|><|vision_end|>``), as vLLM's own API takes them; ``media``:
-        modality -> items in prompt order (PIL images or HxWx3 arrays, videos as TxHxWx3 arrays,
-        audio as vLLM takes it). InvalidArgument when vLLM's processor refuses them."""
+        modality -> items in prompt order as vLLM takes them: PIL images or HxWx3 arrays; videos
+        as TxHxWx3 arrays, or ``(frames, metadata)`` for models that time their frames (Qwen2.5-VL:
+        ``fps``, ``duration``, ``total_num_frames``, ``frames_indices``); audio as ``(waveform,
+        sample_rate)``. InvalidArgument when vLLM's processor refuses them."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
 
@@ -91,7 +93,7 @@ def _feature(spec: Any) -> FeatureItem:
     """One of vLLM's ``MultiModalFeatureSpec`` as our item: its tensors (CPU torch tensors, taken
     as they are), each field's layout, and its placeholder."""
     position = spec.mm_position
-    is_embed = None if position.is_embed is None else position.is_embed.numpy()
+    is_embed = None if position.is_embed is None else EmbedMask.from_bools(position.is_embed.numpy())
     return FeatureItem(
         spec.modality,
         {key: elem.data for key, elem in spec.data.items()},
