@@ -462,6 +462,40 @@ def test_one_tenants_busy_books_delay_no_other_tenants_handshake(make_daemon):
         release.set()
 
 
+def test_a_slow_call_is_logged_with_its_method_tenant_and_deadline(make_daemon, monkeypatch, caplog):
+    """A call that stalls in its handler names itself in the daemon's log: the method, the tenant,
+    how long it took and how much of its deadline was left when it started (a stall in the thread
+    pool shows as little left; one in the handler as a long time taken)."""
+    from shmtransport.daemon import server
+
+    monkeypatch.setattr(server, "SLOW_CALL_S", 0.05)
+    daemon = make_daemon()
+    with Consumer(daemon.socket_path, timeout_s=30) as consumer:
+        consumer.stat()  # the session's tenant exists from here on
+        registry = daemon.tenants[0].registry
+        looked = registry.note_looked
+        entered = threading.Event()
+
+        def held(*args, **kwargs):
+            entered.set()
+            threading.Event().wait(0.2)  # the stall under test: its handler takes 0.2 s
+            return looked(*args, **kwargs)
+
+        registry.note_looked = held
+        try:
+            with caplog.at_level(logging.WARNING, logger="shmtransport.daemon"):
+                consumer.stat()
+        finally:
+            registry.note_looked = looked
+    assert entered.is_set()
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("slow call")]
+    message = record.getMessage()
+    assert "Stat of tenant uid:0 took" in message and "of its deadline left when it started" in message, message
+    took = float(message.split(" took ")[1].split(" s")[0])
+    left = float(message.split("(")[1].split(" s of")[0])
+    assert 0.2 <= took < 30 and 0 < left < 31, message  # gRPC may round a deadline up on the way
+
+
 def _many_calls(conn, socket_path: str, threads: int) -> None:
     """As uid 65534: ``threads`` List calls at once; reports the errors they ended with."""
     _become_nobody()

@@ -17,6 +17,7 @@ import queue
 import resource
 import socketserver
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence, TypeVar
 
 import grpc
@@ -137,17 +138,33 @@ class CallShare:
 _SHARED_METHODS = frozenset(_DAEMON_METHOD_PREFIX + m for m in ("Info", "Loan", "Grant", "Acquire", "Stat", "List"))
 
 
-def _within_share(handler: grpc.RpcMethodHandler[Any, Any], tenant: Tenant) -> grpc.RpcMethodHandler[Any, Any]:
+# A call that takes longer than this is logged (method, tenant, how much of its deadline was left
+# when its handler started): a stall then names where it waited, in the pool or in the handler.
+SLOW_CALL_S = 1.0
+
+
+def _gated(handler: grpc.RpcMethodHandler[Any, Any], tenant: Tenant, method: str,
+           shared: bool) -> grpc.RpcMethodHandler[Any, Any]:
+    """The handler of a session's call, timed; within the tenant's share of threads if ``shared``."""
     behavior = handler.unary_unary
     if behavior is None:  # every Daemon method is unary-unary
         return handler
+    name = method.removeprefix(_DAEMON_METHOD_PREFIX)
 
     def call(request: Any, context: grpc.ServicerContext) -> Any:
-        tenant.calls.enter(tenant.key)
+        started, left = time.monotonic(), context.time_remaining()
+        if shared:
+            tenant.calls.enter(tenant.key)
         try:
             return behavior(request, context)
         finally:
-            tenant.calls.leave()
+            if shared:
+                tenant.calls.leave()
+            took = time.monotonic() - started
+            if took > SLOW_CALL_S:
+                _log.warning("slow call: %s of tenant %s took %.2f s in its handler (%s of its deadline left "
+                             "when it started)", name, tenant.key, took,
+                             "no deadline" if left is None else f"{left:.2f} s")
 
     return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
                                                response_serializer=handler.response_serializer)
@@ -156,12 +173,16 @@ def _within_share(handler: grpc.RpcMethodHandler[Any, Any], tenant: Tenant) -> g
 class _SessionGate(grpc.ServerInterceptor):
     """Refuses Daemon calls without a live session token before their body is even parsed, so an
     unauthenticated peer costs no more than the bytes gRPC already bounds (MAX_REQUEST_NBYTES);
-    the others run within their tenant's share of threads."""
+    the others run within their tenant's share of threads, timed (``SLOW_CALL_S``)."""
 
     def __init__(self, daemon: "Daemon") -> None:
         self._daemon = daemon
         # no deserializer: raw bytes
         self._refusal: grpc.RpcMethodHandler[bytes, NoReturn] = grpc.unary_unary_rpc_method_handler(self._refuse)
+        # (method, tenant key) -> (the servicer's handler, the tenant, the two gated): the same
+        # handler object for every call, so the error boundary outside reuses its wrapper too
+        self._gated: dict[tuple[str, str], tuple[grpc.RpcMethodHandler[Any, Any], Tenant,
+                                                 grpc.RpcMethodHandler[Any, Any]]] = {}
 
     @staticmethod
     def _refuse(_raw_request: bytes, context: grpc.ServicerContext) -> NoReturn:
@@ -179,9 +200,15 @@ class _SessionGate(grpc.ServerInterceptor):
             if found is None:
                 return self._refusal
             handler = continuation(handler_call_details)
-            if handler is not None and handler_call_details.method in _SHARED_METHODS:
-                return _within_share(handler, found[1])
-            return handler
+            if handler is None:
+                return None
+            method, tenant = handler_call_details.method, found[1]
+            cached = self._gated.get((method, tenant.key))
+            if cached is not None and cached[0] is handler and cached[1] is tenant:
+                return cached[2]
+            gated = _gated(handler, tenant, method, method in _SHARED_METHODS)
+            self._gated[(method, tenant.key)] = (handler, tenant, gated)
+            return gated
         return continuation(handler_call_details)
 
 
