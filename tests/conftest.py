@@ -23,9 +23,11 @@ loaded through its ``pytest11`` entry point; its helpers are in ``shmtransport.t
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib.util
 import os
+import tempfile
 import warnings
 
 import pytest
@@ -33,6 +35,7 @@ from vllm_engine import vllm_session  # noqa: F401 - the one vLLM engine session
 
 from shmtransport import testing  # noqa: E402
 from shmtransport.daemon import Daemon  # noqa: E402
+from shmtransport.errors import DeadlineExceeded  # noqa: E402
 
 DAEMON_SETTLE_S = 3.0
 REQUIRE_EXTRAS = os.environ.get("SHMTRANSPORT_REQUIRE_EXTRAS") == "1"
@@ -109,6 +112,13 @@ class _SkippedModule(pytest.File):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
+    if call.excinfo is not None and call.excinfo.errisinstance(DeadlineExceeded):
+        # A call of ours ran out of time: where every thread of this process (the in-process
+        # daemons' among them) is right now says what it waited for.
+        with tempfile.TemporaryFile("w+") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            item.add_report_section(call.when, "threads when the deadline passed", f.read())
     report = yield
     if REQUIRE_EXTRAS and report.skipped and "could not import" in str(report.longrepr):
         report.outcome = "failed"  # SHMTRANSPORT_REQUIRE_EXTRAS: the environment is incomplete
