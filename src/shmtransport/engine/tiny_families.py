@@ -9,8 +9,7 @@ about (``tiny_model`` holds Qwen2-VL, the suite's main model):
   batched ``pixel_values`` tensor per item, a run of ``<image>`` tokens per image.
 - ``gemma3``: Gemma 3 (a SigLIP tower with average pooling and a Gemma 3 text model with sliding
   window attention); images as flat ``pixel_values`` (one crop per image) plus ``num_patches`` kept
-  on the CPU,
-  placeholders ``<start_of_image>`` ... ``<end_of_image>`` with only the soft tokens embedded.
+  on the CPU, placeholders ``<start_of_image>`` ... ``<end_of_image>`` with only the soft tokens embedded.
 - ``qwen2_audio``: Qwen2-Audio (a Whisper-style audio encoder and a Qwen2 text model); audio as
   batched log-mel ``input_features`` with their ``feature_attention_mask``.
 
