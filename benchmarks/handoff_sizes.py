@@ -41,7 +41,7 @@ def consumer(fd: int, socket_path: str, evict_mib: int) -> None:
     """Serve handoffs until an empty packet: per handoff, its phase times; then the check.
     ``evict_mib``: after each ack (untimed), copy that much private memory, as a consumer that
     reads what it received does."""
-    from shmtransport.client import Consumer, Handle
+    from shmtransport.client import Consumer
 
     sock = socket.socket(fileno=fd)
     scratch = np.ones((2, evict_mib * MiB), np.uint8)
@@ -53,7 +53,7 @@ def consumer(fd: int, socket_path: str, evict_mib: int) -> None:
                 break
             check = packet[0] == 1
             t0 = time.perf_counter()
-            lease = client.acquire(Handle.from_bytes(packet[1:]))
+            lease = client.acquire_bytes(packet[1:])
             t1 = time.perf_counter()
             array = lease.array
             t2 = time.perf_counter()

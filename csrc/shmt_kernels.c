@@ -834,9 +834,13 @@ int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
     if (generation == 0 || generation > current) return SHMT_SLOT_UNKNOWN;
     if (current != generation) return SHMT_SLOT_STALE;
     uint64_t held = shmt_load(holders);
+    int already = 0; /* our bit was set before: the object is checked, nothing is taken */
     do {
         if (held == 0) return SHMT_SLOT_STALE; /* dead: may already be reused */
-        if (held & SHMT_BIT(bit)) return SHMT_SLOT_ALREADY;
+        if (held & SHMT_BIT(bit)) {
+            already = 1;
+            break;
+        }
     } while (!__atomic_compare_exchange_n(holders, &held, held | SHMT_BIT(bit), 1, __ATOMIC_SEQ_CST,
                                           __ATOMIC_SEQ_CST));
     /* Our bit keeps whatever object is in the slot now alive. If that is not the one named (the
@@ -852,9 +856,10 @@ int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
              __atomic_load_n(&slot->nbytes, __ATOMIC_RELAXED) != nbytes)
         status = SHMT_SLOT_MISMATCH;
     if (status != SHMT_SLOT_OK) {
-        __atomic_fetch_and(holders, ~SHMT_BIT(bit), __ATOMIC_SEQ_CST);
+        if (!already) __atomic_fetch_and(holders, ~SHMT_BIT(bit), __ATOMIC_SEQ_CST);
         return status;
     }
+    if (already) return SHMT_SLOT_ALREADY;
     if (state == SHMT_SLOT_COMMITTED) /* the first acquire takes the hand-off over */
         __atomic_fetch_and(holders, ~SHMT_HANDOFF, __ATOMIC_SEQ_CST);
     return SHMT_SLOT_OK;
@@ -929,4 +934,258 @@ int32_t shmt_grant_cas(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t
                                     __ATOMIC_SEQ_CST))
         return SHMT_SLOT_OK;
     return SHMT_SLOT_ALREADY;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The handle on the wire (see the header): protobuf's encoding of TensorHandle, a subset read.
+ * ------------------------------------------------------------------------------------------- */
+enum { SHMT_WT_VARINT = 0, SHMT_WT_LEN = 2 };
+
+/* A varint at *pos (advanced past it); 0 when truncated, longer than 10 bytes, past 64 bits or
+ * not in its shortest form (which protobuf writes). */
+static int shmt_varint(const uint8_t *buf, uint64_t end, uint64_t *pos, uint64_t *value)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 10; i++) {
+        if (*pos >= end) return 0;
+        uint8_t b = buf[(*pos)++];
+        if ((i == 9 && b > 1) || (i > 0 && b == 0)) return 0;
+        v |= (uint64_t)(b & 0x7f) << (7 * i);
+        if (!(b & 0x80)) {
+            *value = v;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* A length-delimited field's [at, at + len) at *pos (advanced past it); never empty (protobuf
+ * writes no empty string, bytes or packed field). */
+static int shmt_span(const uint8_t *buf, uint64_t end, uint64_t *pos, uint64_t *at, uint64_t *len)
+{
+    uint64_t n;
+    if (!shmt_varint(buf, end, pos, &n) || n == 0 || n > end - *pos) return 0;
+    *at = *pos;
+    *len = n;
+    *pos += n;
+    return 1;
+}
+
+static int shmt_ascii(const uint8_t *buf, uint64_t at, uint64_t len)
+{
+    for (uint64_t i = 0; i < len; i++)
+        if (buf[at + i] & 0x80) return 0;
+    return 1;
+}
+
+/* One field of a message at *pos: its number and wire type; 0 at a tag protobuf would not take. */
+static int shmt_tag(const uint8_t *buf, uint64_t end, uint64_t *pos, uint64_t *field, uint64_t *wire_type)
+{
+    uint64_t tag;
+    if (!shmt_varint(buf, end, pos, &tag) || tag >> 32) return 0;
+    *field = tag >> 3;
+    *wire_type = tag & 7;
+    return *field != 0;
+}
+
+/* The nested Handle in buf[pos, end). */
+static int shmt_wire_parse_shm(const uint8_t *buf, uint64_t pos, uint64_t end, shmt_wire_handle *out)
+{
+    uint64_t last = 0;
+    while (pos < end) {
+        uint64_t field, wt;
+        if (!shmt_tag(buf, end, &pos, &field, &wt)) return 0;
+        if (field <= last || (field > 4 && field < 16) || field > 18) return 0; /* out of order, or unknown */
+        last = field;
+        int is_string = field == 1 || field == 4 || field == 17;
+        if (wt != (uint64_t)(is_string ? SHMT_WT_LEN : SHMT_WT_VARINT)) return 0;
+        if (is_string) {
+            uint64_t at, len;
+            if (!shmt_span(buf, end, &pos, &at, &len) || !shmt_ascii(buf, at, len)) return 0;
+            if (field == 1) out->name_at = at, out->name_len = len;
+            else if (field == 4) out->owner_at = at, out->owner_len = len;
+            else out->instance_at = at, out->instance_len = len;
+            continue;
+        }
+        uint64_t v;
+        if (!shmt_varint(buf, end, &pos, &v) || v == 0) return 0; /* protobuf writes no zero */
+        if (field == 2) out->offset = v;
+        else if (field == 3) out->nbytes = v;
+        else if (field == 16) out->generation = v;
+        else if (v >> 32) return 0; /* slot is a uint32: protobuf would truncate it */
+        else out->slot = v;
+    }
+    return 1;
+}
+
+/* Packed dims in buf[pos, end). */
+static int shmt_wire_parse_shape(const uint8_t *buf, uint64_t pos, uint64_t end, shmt_wire_handle *out)
+{
+    while (pos < end) {
+        uint64_t d;
+        if (out->ndim == SHMT_WIRE_MAX_DIMS || !shmt_varint(buf, end, &pos, &d)) return 0;
+        out->shape[out->ndim++] = d;
+    }
+    return 1;
+}
+
+int32_t shmt_wire_parse(const uint8_t *buf, uint64_t nbytes, shmt_wire_handle *out)
+{
+    if ((!buf && nbytes) || !out) return SHMT_EINVAL;
+    memset(out, 0, sizeof *out);
+    uint64_t last = 0, pos = 0;
+    while (pos < nbytes) {
+        uint64_t field, wt, at = 0, len = 0;
+        if (!shmt_tag(buf, nbytes, &pos, &field, &wt) || field <= last || field > 5 || wt != SHMT_WT_LEN)
+            return SHMT_WIRE_OTHER;
+        last = field;
+        if (field == 1) { /* shm: written even when empty */
+            if (!shmt_varint(buf, nbytes, &pos, &len) || len > nbytes - pos) return SHMT_WIRE_OTHER;
+            at = pos;
+            pos += len;
+        } else if (!shmt_span(buf, nbytes, &pos, &at, &len)) {
+            return SHMT_WIRE_OTHER;
+        }
+        int ok = 1;
+        switch (field) {
+        case 1: ok = shmt_wire_parse_shm(buf, at, at + len, out); break;
+        case 2: ok = shmt_ascii(buf, at, len); out->dtype_at = at, out->dtype_len = len; break;
+        case 3: ok = shmt_wire_parse_shape(buf, at, at + len, out); break;
+        case 4: out->digest_at = at, out->digest_len = len; break;
+        case 5: out->token_at = at, out->token_len = len; break;
+        }
+        if (!ok) return SHMT_WIRE_OTHER;
+    }
+    return SHMT_OK;
+}
+
+/* Writers: each returns the position after what it wrote, or 0 past `cap` (never a valid end:
+ * every message written is at least the shm field's two bytes). */
+static uint64_t shmt_put_varint(uint8_t *out, uint64_t cap, uint64_t pos, uint64_t v)
+{
+    do {
+        if (pos >= cap) return 0;
+        out[pos++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+        v >>= 7;
+    } while (v);
+    return pos;
+}
+
+static uint64_t shmt_varint_len(uint64_t v)
+{
+    uint64_t n = 1;
+    while (v > 0x7f) v >>= 7, n++;
+    return n;
+}
+
+static uint64_t shmt_put_uint(uint8_t *out, uint64_t cap, uint64_t pos, uint64_t field, uint64_t v)
+{
+    if (!pos || !v) return pos; /* proto3: a zero is not written */
+    pos = shmt_put_varint(out, cap, pos, field << 3 | SHMT_WT_VARINT);
+    return pos ? shmt_put_varint(out, cap, pos, v) : 0;
+}
+
+static uint64_t shmt_put_bytes(uint8_t *out, uint64_t cap, uint64_t pos, uint64_t field, const uint8_t *v,
+                               uint64_t len)
+{
+    if (!pos || !len) return pos; /* proto3: an empty string is not written */
+    pos = shmt_put_varint(out, cap, pos, field << 3 | SHMT_WT_LEN);
+    if (pos) pos = shmt_put_varint(out, cap, pos, len);
+    if (!pos || len > cap - pos) return 0;
+    memcpy(out + pos, v, len);
+    return pos + len;
+}
+
+static uint64_t shmt_len_field(uint64_t field, uint64_t len)
+{
+    return len ? shmt_varint_len(field << 3) + shmt_varint_len(len) + len : 0;
+}
+
+static uint64_t shmt_uint_field(uint64_t field, uint64_t v)
+{
+    return v ? shmt_varint_len(field << 3) + shmt_varint_len(v) : 0;
+}
+
+int64_t shmt_wire_write(uint8_t *out, uint64_t cap, const uint8_t *name, uint64_t name_len, uint64_t offset,
+                        uint64_t nbytes, const uint8_t *owner, uint64_t owner_len, uint64_t generation,
+                        const uint8_t *instance, uint64_t instance_len, uint64_t slot, const uint8_t *dtype,
+                        uint64_t dtype_len, const uint8_t *shape, uint64_t ndim, const uint8_t *digest,
+                        uint64_t digest_len, const uint8_t *token, uint64_t token_len)
+{
+    if (!out || (ndim && !shape) || slot >> 32) return SHMT_EINVAL;
+    uint64_t shm_len = shmt_len_field(1, name_len) + shmt_uint_field(2, offset) + shmt_uint_field(3, nbytes) +
+                       shmt_len_field(4, owner_len) + shmt_uint_field(16, generation) +
+                       shmt_len_field(17, instance_len) + shmt_uint_field(18, slot);
+    uint64_t shape_len = 0, dim;
+    for (uint64_t i = 0; i < ndim; i++) {
+        memcpy(&dim, shape + 8 * i, 8); /* little-endian, as the build requires */
+        shape_len += shmt_varint_len(dim);
+    }
+    uint64_t pos = shmt_put_varint(out, cap, 0, 1 << 3 | SHMT_WT_LEN); /* shm: always present */
+    if (pos) pos = shmt_put_varint(out, cap, pos, shm_len);
+    pos = shmt_put_bytes(out, cap, pos, 1, name, name_len);
+    pos = shmt_put_uint(out, cap, pos, 2, offset);
+    pos = shmt_put_uint(out, cap, pos, 3, nbytes);
+    pos = shmt_put_bytes(out, cap, pos, 4, owner, owner_len);
+    pos = shmt_put_uint(out, cap, pos, 16, generation);
+    pos = shmt_put_bytes(out, cap, pos, 17, instance, instance_len);
+    pos = shmt_put_uint(out, cap, pos, 18, slot);
+    pos = shmt_put_bytes(out, cap, pos, 2, dtype, dtype_len);
+    if (pos && shape_len) {
+        pos = shmt_put_varint(out, cap, pos, 3 << 3 | SHMT_WT_LEN);
+        if (pos) pos = shmt_put_varint(out, cap, pos, shape_len);
+        for (uint64_t i = 0; pos && i < ndim; i++) {
+            memcpy(&dim, shape + 8 * i, 8);
+            pos = shmt_put_varint(out, cap, pos, dim);
+        }
+    }
+    pos = shmt_put_bytes(out, cap, pos, 4, digest, digest_len);
+    pos = shmt_put_bytes(out, cap, pos, 5, token, token_len);
+    return pos ? (int64_t)pos : SHMT_EINVAL;
+}
+
+static const struct {
+    const char *name;
+    uint64_t itemsize;
+} shmt_dtypes[] = {
+    {"bool", 1},    {"uint8", 1},   {"int8", 1},    {"float16", 2},  {"bfloat16", 2},
+    {"uint16", 2},  {"int16", 2},   {"float32", 4}, {"uint32", 4},   {"int32", 4},
+    {"float64", 8}, {"uint64", 8},  {"int64", 8},
+};
+
+uint64_t shmt_dtype_itemsize(const uint8_t *name, uint64_t len)
+{
+    for (size_t i = 0; name && i < sizeof shmt_dtypes / sizeof shmt_dtypes[0]; i++)
+        if (strlen(shmt_dtypes[i].name) == len && !memcmp(shmt_dtypes[i].name, name, len))
+            return shmt_dtypes[i].itemsize;
+    return 0;
+}
+
+/* Whether the handle's dtype and shape make its size, as tensor_nbytes counts (exactly, with
+ * the product of the nonzero dims times the item size within int64). */
+static int shmt_wire_manifest_ok(const uint8_t *buf, const shmt_wire_handle *h)
+{
+    uint64_t itemsize = shmt_dtype_itemsize(buf + h->dtype_at, h->dtype_len);
+    uint64_t nonzero = itemsize, total = itemsize;
+    if (!itemsize) return 0;
+    for (uint64_t i = 0; i < h->ndim; i++) {
+        if (h->shape[i] && __builtin_mul_overflow(nonzero, h->shape[i], &nonzero)) return 0;
+        total *= h->shape[i]; /* <= nonzero, so it cannot wrap once nonzero did not */
+    }
+    if (nonzero > (uint64_t)INT64_MAX) return 0;
+    return total == h->nbytes || (total == 0 && h->nbytes == 1);
+}
+
+int32_t shmt_wire_acquire(const uint8_t *buf, uint64_t nbytes, const uint8_t *name, uint64_t name_len,
+                          const uint8_t *instance, uint64_t instance_len, uint64_t arena_nbytes, uint8_t *table,
+                          uint8_t *holds, uint64_t nslots, uint32_t bit, shmt_wire_handle *out)
+{
+    if (!name || !instance) return SHMT_EINVAL;
+    int32_t rc = shmt_wire_parse(buf, nbytes, out);
+    if (rc != SHMT_OK) return rc;
+    if (!out->slot || out->token_len || out->name_len != name_len || out->instance_len != instance_len ||
+        memcmp(buf + out->name_at, name, name_len) || memcmp(buf + out->instance_at, instance, instance_len) ||
+        out->offset > arena_nbytes || out->nbytes > arena_nbytes - out->offset || !shmt_wire_manifest_ok(buf, out))
+        return SHMT_WIRE_OTHER;
+    return shmt_slot_acquire(table, holds, nslots, out->slot - 1, out->generation, out->offset, out->nbytes, bit);
 }

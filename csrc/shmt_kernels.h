@@ -159,7 +159,8 @@ int32_t shmt_slot_publish(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
 int32_t shmt_slot_commit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                          uint32_t bit, uint64_t deadline_ns, int32_t hold);
 /* Add `bit` to a live committed object of this generation, offset and size; then drop the
- * hand-off bit unless the object is HELD. */
+ * hand-off bit unless the object is HELD. SHMT_SLOT_ALREADY when `bit` held that very object
+ * already (another lease of the same client); any other refusal leaves the holders as they were. */
 int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                           uint64_t offset, uint64_t nbytes, uint32_t bit);
 /* Drop `bit` (and the hand-off bit too when `cancel_handoff`); *remaining = holders after. */
@@ -177,5 +178,59 @@ int32_t shmt_slots_clear_bit(uint8_t *table, uint8_t *holds, uint64_t nslots, ui
  * `desired`), SHMT_SLOT_ALREADY when it was something else (*observed = what it was). */
 int32_t shmt_grant_cas(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t expected,
                        uint64_t desired, uint64_t *observed);
+
+/* ---------------------------------------------------------------------------------------------
+ * The handle on the wire: shmtransport.v1.TensorHandle (proto/shmtransport/v1/daemon.proto) in
+ * protobuf's encoding, read and written without building protobuf objects (a handoff's hot path).
+ *
+ * shmt_wire_parse reads exactly what protobuf writes: known fields in field-number order, each
+ * once with its declared wire type, no zero or empty field but shm, shortest varints, shape
+ * packed; and of that only strings of ASCII and at most 32 dims. Anything else, valid or not, is
+ * SHMT_WIRE_OTHER: the caller then parses with protobuf, which decides. So whatever this parser
+ * accepts, protobuf reads the same values from and writes back byte for byte
+ * (tests/test_wire_native.py checks it on random messages and random bytes).
+ * ------------------------------------------------------------------------------------------- */
+#define SHMT_WIRE_OTHER (-20) /* outside the subset: parse with protobuf */
+#define SHMT_WIRE_MAX_DIMS 32
+
+typedef struct {
+    uint64_t offset;
+    uint64_t nbytes;
+    uint64_t generation;
+    uint64_t slot; /* 1 + the object-table index; 0: not in a table */
+    /* strings and bytes, as [at, at + len) of the buffer parsed */
+    uint64_t name_at, name_len;
+    uint64_t owner_at, owner_len;
+    uint64_t instance_at, instance_len;
+    uint64_t dtype_at, dtype_len;
+    uint64_t digest_at, digest_len;
+    uint64_t token_at, token_len;
+    uint64_t ndim;
+    uint64_t shape[32]; /* SHMT_WIRE_MAX_DIMS */
+} shmt_wire_handle;
+
+/* Parse `buf`: SHMT_OK, or SHMT_WIRE_OTHER (out is then unspecified). */
+int32_t shmt_wire_parse(const uint8_t *buf, uint64_t nbytes, shmt_wire_handle *out);
+/* Write the TensorHandle protobuf writes for these fields (proto3: zero and empty fields
+ * omitted, shm always present, shape packed) into out[0, cap): its length, or SHMT_EINVAL when
+ * it does not fit. `shape`: `ndim` little-endian uint64s. */
+int64_t shmt_wire_write(uint8_t *out, uint64_t cap, const uint8_t *name, uint64_t name_len, uint64_t offset,
+                        uint64_t nbytes, const uint8_t *owner, uint64_t owner_len, uint64_t generation,
+                        const uint8_t *instance, uint64_t instance_len, uint64_t slot, const uint8_t *dtype,
+                        uint64_t dtype_len, const uint8_t *shape, uint64_t ndim, const uint8_t *digest,
+                        uint64_t digest_len, const uint8_t *token, uint64_t token_len);
+/* Bytes per element of the vLLM dtype named name[0, len) (shmtransport.tensors.DTYPES, checked
+ * equal by tests/test_wire_native.py); 0 for a name that is not one. */
+uint64_t shmt_dtype_itemsize(const uint8_t *name, uint64_t len);
+/* A consumer's acquire from the handle's bytes in one call: parse `buf`; if it names an object
+ * of this table (slot set, segment `name`, daemon `instance`, no commit token, inside the arena's
+ * `arena_nbytes`) whose dtype and shape make exactly its size (as shmtransport.tensors.
+ * tensor_nbytes counts: a zero-size tensor occupies 1 byte), shmt_slot_acquire it with `bit`.
+ * Returns SHMT_WIRE_OTHER when the handle is not one this call takes (the caller takes the
+ * general path, which names what is wrong), else shmt_slot_acquire's status; `out` holds the
+ * parsed handle whenever the result is not SHMT_WIRE_OTHER. */
+int32_t shmt_wire_acquire(const uint8_t *buf, uint64_t nbytes, const uint8_t *name, uint64_t name_len,
+                          const uint8_t *instance, uint64_t instance_len, uint64_t arena_nbytes, uint8_t *table,
+                          uint8_t *holds, uint64_t nslots, uint32_t bit, shmt_wire_handle *out);
 
 #endif /* SHMT_KERNELS_H */

@@ -94,12 +94,12 @@ class SlotMachine(RuleBasedStateMachine):
             expected = SlotStatus.UNKNOWN
         elif generation != m.generation or not m.word:
             expected = SlotStatus.STALE
-        elif bit in m.holders:
-            expected = SlotStatus.ALREADY
         elif m.state == objtable.LOANED:
             expected = SlotStatus.NOT_COMMITTED
         elif wrong_size:
             expected = SlotStatus.MISMATCH
+        elif bit in m.holders:  # the very object named, held already: checked like a new hold, nothing taken
+            expected = SlotStatus.ALREADY
         else:
             expected = SlotStatus.OK
             m.holders.add(bit)

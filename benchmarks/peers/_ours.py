@@ -5,7 +5,7 @@ Coded against the client API in the task brief::
     Daemon(socket_path=..., arena_nbytes=...).start() / .stop()
     Producer(socket_path, timeout_s=...) .put(array, digest=) .loan(nbytes=) -> loan.array, loan.commit()
         .release(handle) ; Handle.to_bytes() / Handle.from_bytes()
-    Consumer(socket_path, timeout_s=...) .acquire(handle) -> lease.array, lease.release()
+    Consumer(socket_path, timeout_s=...) .acquire_bytes(handle bytes) -> lease.array, lease.release()
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """``shm_put``: shmtransport ``Producer.put(array, digest=False)`` (one copy into the arena), handle over
-the pipe, ``Consumer.acquire`` (zero-copy read-only view), ack. Releases on both sides are untimed."""
+the pipe, ``Consumer.acquire_bytes`` (the handle's bytes to a zero-copy read-only view), ack. Releases
+on both sides are untimed."""
 from __future__ import annotations
 
 import numpy as np
@@ -47,12 +48,11 @@ class Consumer(ConsumerBase):
     def __init__(self, socket_path: str):
         super().__init__()
         mod = _ours.client()
-        self.Handle = mod.Handle
         self.client = mod.Consumer(socket_path, timeout_s=_ours.CLIENT_TIMEOUT_S)
         self.lease = None
 
     def receive(self, descriptor: bytes):
-        self.lease = self.client.acquire(self.Handle.from_bytes(descriptor))
+        self.lease = self.client.acquire_bytes(descriptor)
         return self.lease.array
 
     def release(self) -> None:

@@ -26,6 +26,11 @@ class DelayedCall:
     def within(self, delay_s: float) -> None:
         """Run at the latest ``delay_s`` from now (an earlier request stands)."""
         due = time.monotonic() + delay_s
+        current = self._due
+        if current is not None and current <= due:
+            # An earlier run stands (read without the lock: the run clears it only once it is
+            # about to run, and then sees whatever the caller changed before asking).
+            return
         with self._cv:
             if self._stopped or (self._due is not None and self._due <= due):
                 return
@@ -34,6 +39,11 @@ class DelayedCall:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             self._cv.notify()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a run is asked for and has not started yet."""
+        return self._due is not None
 
     def cancel(self) -> None:
         """Forget the run asked for (a later ``within`` asks again)."""

@@ -334,6 +334,11 @@ class AsyncConsumer(_AsyncClient[Consumer]):
         lease is released once it is taken."""
         return (await self.acquire_many([handle], ttl_ms=ttl_ms))[0]
 
+    async def acquire_bytes(self, data: bytes, *, ttl_ms: int = 0) -> Lease:
+        """``acquire(Handle.from_bytes(data))``, as ``Consumer.acquire_bytes`` (one native call for
+        an object of this tenant's object table). Raises as ``acquire``."""
+        return (await self._run(lambda client: [client.acquire_bytes(data, ttl_ms=ttl_ms)], _release_views))[0]
+
     async def acquire_many(self, handles: Sequence[Handle], *, ttl_ms: int = 0) -> list[Lease]:
         """``acquire`` for every handle, all or nothing, as ``Consumer.acquire_many``. Raises as
         ``acquire``."""

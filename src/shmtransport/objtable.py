@@ -124,6 +124,16 @@ class ObjectTable:
         rc = self._lib.shmt_slot_acquire(self._slots, self._holds, self.nslots, index, generation, offset, nbytes, bit)
         return SlotStatus.OK if rc == 0 else self._status(rc)
 
+    def acquire_wire(self, data: bytes, name: bytes, instance_id: bytes, arena_nbytes: int, bit: int,
+                     out: object) -> SlotStatus | None:
+        """``acquire`` of the object a ``TensorHandle``'s wire form names, read into ``out`` (a
+        ``handle_wire.new_out()``) in the same call, if it is an object of this table (segment
+        ``name``, daemon ``instance_id``, inside the arena, dtype and shape making its size, no
+        commit token); None when it is not one this call takes."""
+        rc = self._lib.shmt_wire_acquire(data, len(data), name, len(name), instance_id, len(instance_id), arena_nbytes,
+                                         self._slots, self._holds, self.nslots, bit, out)
+        return None if rc == self._lib.SHMT_WIRE_OTHER else self._status(rc)
+
     def release(self, index: int, generation: int, bit: int, cancel_handoff: bool = False) -> int:
         """Drop ``bit``; the holders left (0: the object is dead, its slot and bytes reusable)."""
         out = self._ffi.new("uint64_t[1]")
@@ -174,6 +184,8 @@ class ObjectTable:
             raise StateError(f"{what}: this session maps the object table's slots read-only (a consumer)")
 
     def _status(self, rc: int) -> SlotStatus:
+        if rc == 0:
+            return SlotStatus.OK
         if rc < 0:
             raise InvalidArgument(f"object-table call refused its arguments (code {rc})")
         return SlotStatus(rc)

@@ -26,6 +26,9 @@ class Consumer(_Client):
     session."""
 
     _writable = False
+    # The arena mapping the wire ids below are of, its segment name and this session's daemon
+    # instance, encoded: what acquire_bytes compares a handle's with.
+    _wire_ids: tuple[object, bytes, bytes] = (None, b"", b"")
 
     def acquire(self, handle: Handle, *, ttl_ms: int = 0) -> Lease:
         """A read-only lease on the object ``handle`` names: ``lease.array`` (numpy) and
@@ -83,6 +86,47 @@ class Consumer(_Client):
             leases[i] = Lease(self, handles[i], memory[:sizes[i]], lease_id)
         return [leases[i] for i in range(len(handles))]
 
+    def acquire_bytes(self, data: bytes, *, ttl_ms: int = 0) -> Lease:
+        """``acquire(Handle.from_bytes(data))``: the handle's wire form, as ``Handle.to_bytes``
+        wrote it, straight to a lease. An object of this tenant's object table is read, checked
+        and held in one native call; anything else takes ``acquire``'s path, and raises as it does."""
+        lease = self._acquire_wire(bytes(data))
+        return lease if lease is not None else self.acquire(Handle.from_bytes(data), ttl_ms=ttl_ms)
+
+    def _acquire_wire(self, data: bytes) -> Lease | None:
+        """The lease ``acquire_bytes`` takes in one native call; None when that call does not take
+        the handle."""
+        if self._deferred:
+            self._requeue_deferred(force=False)  # releases whose views are gone by now
+        self._conn.ensure_recent()  # a daemon restart is noticed before the handle is compared with it
+        with self._lock:
+            tables = self._table_client()
+            mapping = self._conn.mapping
+            if tables is None or mapping is None:
+                return None
+            if self._wire_ids[0] is not mapping:
+                self._wire_ids = (mapping, mapping.name.encode(), self.instance_id.encode())
+            held = tables.acquire_wire(data, self._wire_ids[1], self._wire_ids[2], mapping.nbytes)
+            if held is None:
+                return None
+            (offset, nbytes, generation, slot, _, _, _, _, _, _, dtype_at, dtype_len, digest_at, digest_len, _, _,
+             _), shape = held
+            handle = Handle._of(None, data, data[dtype_at:dtype_at + dtype_len].decode("ascii"), shape,
+                                data[digest_at:digest_at + digest_len])
+            size = 0 if 0 in shape else nbytes  # a zero-size tensor occupies 1 byte
+            return Lease(self, handle, mapping.view(offset, nbytes)[:size], 0, tables, (slot_index(slot), generation))
+
+    def _release_held(self, lease: Lease) -> None:
+        """``Lease.release`` of a lease held in the object table: its bit goes at once, or once
+        the last view of its bytes does."""
+        with self._lock:
+            lease._detach_views()
+            if lease._views_alive():
+                self._deferred.append(lease)
+                self._schedule_flush()
+            else:
+                self._queue(lease)
+
     def _acquire_in_table(self, tables: TableClient, handles: list[Handle], sizes: list[int],
                           leases: dict[int, Lease]) -> None:
         """Leases with this client's bit on every object-table handle (lock held), by index in
@@ -98,8 +142,9 @@ class Consumer(_Client):
                 if shm.offset + shm.nbytes > mapping.nbytes:
                     raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena",
                                       Reason.OUT_OF_BOUNDS)
-                tables.acquire(slot_index(shm.slot), shm.generation, shm.offset, shm.nbytes)
-                lease = Lease(self, h, mapping.view(shm.offset, shm.nbytes)[:sizes[i]], 0, tables)
+                slot_key = (slot_index(shm.slot), shm.generation)
+                tables.acquire(*slot_key, shm.offset, shm.nbytes)
+                lease = Lease(self, h, mapping.view(shm.offset, shm.nbytes)[:sizes[i]], 0, tables, slot_key)
                 taken.append(lease)
                 leases[i] = lease
         except BaseException:

@@ -19,9 +19,9 @@ from ..errors import (
     StateError,
     Unavailable,
 )
-from ..handle import Handle
+from ..handle import Handle, Where
 from ..objtable import slot_index, wire_slot
-from ..tensors import as_byte_array, dtype_name, tensor_nbytes
+from ..tensors import MAX_NBYTES, as_byte_array, dtype_name, tensor_nbytes
 from ..v1 import daemon_pb2 as pb
 from .session import _Client
 from .views import Loan
@@ -103,10 +103,10 @@ class Producer(_Client):
                 raise Unavailable("the daemon of this session is gone")
             loans = []
             for obj, (dt, shape, nbytes) in zip(placed, typed):
-                shm = pb.Handle(name=mapping.name, offset=obj.offset, nbytes=obj.nbytes, owner_id=hello.session_id,
-                                generation=obj.generation, instance_id=hello.instance_id, slot=wire_slot(obj.slot))
-                loans.append(Loan(self, Handle(shm, dt, shape), mapping.view(obj.offset, obj.nbytes)[:nbytes],
-                                  (tables, obj)))
+                where = Where(mapping.name, obj.offset, obj.nbytes, hello.session_id, obj.generation, hello.instance_id,
+                              wire_slot(obj.slot))
+                memory = mapping.view(obj.offset, obj.nbytes)[:nbytes]
+                loans.append(Loan(self, Handle._of(where, None, dt, shape), memory, (tables, obj)))
             self._schedule_flush()  # idle grants go back in the background
             return loans
 
@@ -139,7 +139,7 @@ class Producer(_Client):
                 raise StateError(f"{loan!r} is already committed")
         for loan in loans:
             if digest:
-                loan.handle.digest = kernels.tree_digest(loan._live_memory())
+                loan.handle = loan.handle.with_digest(kernels.tree_digest(loan._live_memory()))
         in_table = [(loan, loan._placed) for loan in loans if loan._placed is not None]
         if in_table:
             with self._lock:
@@ -186,6 +186,8 @@ class Producer(_Client):
 
     def _settle_commits(self, block: bool) -> None:
         """Raise the first failure among sent commits; wait for all of them when ``block``."""
+        if not self._pending_commits:  # (only this producer's own calls add to it)
+            return
         with self._lock:
             pending, self._pending_commits = self._pending_commits, []
             failure = None
@@ -233,7 +235,8 @@ class Producer(_Client):
         try:
             for loan, (src, _, _) in zip(loans, sources):
                 if digest:
-                    loan.handle.digest = kernels.copy_tree_digest(loan._live_memory(), src, self.copy_threads)
+                    loan.handle = loan.handle.with_digest(
+                        kernels.copy_tree_digest(loan._live_memory(), src, self.copy_threads))
                 else:
                     kernels.copy(loan._live_memory(), src, self.copy_threads)
             handles = self.commit_many(loans, hold_ms=hold_ms)
@@ -275,25 +278,26 @@ class Producer(_Client):
 
     def _release_in_table(self, handles: list[Handle]) -> list[Handle]:
         """Release this producer's object-table handles; the other handles."""
-        if not any(h.shm.slot for h in handles):
+        wheres = [h.where for h in handles]
+        if not any(w.slot for w in wheres):
             return handles
         rest: list[Handle] = []
         self._conn.ensure_recent()
         with self._lock:
             tables = self._table_client()
-            for h in handles:
-                if not h.shm.slot:
+            for h, w in zip(handles, wheres):
+                if not w.slot:
                     rest.append(h)
                     continue
-                if h.shm.instance_id != self.instance_id:
-                    raise Unavailable(f"handle of daemon instance {h.shm.instance_id!r}, connected to "
+                if w.instance_id != self.instance_id:
+                    raise Unavailable(f"handle of daemon instance {w.instance_id!r}, connected to "
                                       f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
-                placed = tables.owned(slot_index(h.shm.slot), h.shm.generation) if tables is not None else None
+                placed = tables.owned(slot_index(w.slot), w.generation) if tables is not None else None
                 if tables is None or placed is None:
-                    if tables is not None and h.shm.owner_id == self._conn.hello.session_id:
+                    if tables is not None and w.owner_id == self._conn.hello.session_id:
                         raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)
                     raise OwnershipError(f"{h!r} is not an object of this producer")
-                if (placed.offset, placed.nbytes) != (h.shm.offset, h.shm.nbytes):
+                if (placed.offset, placed.nbytes) != (w.offset, w.nbytes):
                     raise HandleError(f"{h!r} does not match the object in its slot "
                                       f"([{placed.offset}, +{placed.nbytes}))", Reason.OUT_OF_BOUNDS)
                 tables.release_own(placed, cancel_handoff=True)
@@ -305,7 +309,8 @@ def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> t
     if shape is None:
         if nbytes is None or dtype is not None:
             raise InvalidArgument("loan needs nbytes, or shape and dtype")
-        return "uint8", (int(nbytes),), tensor_nbytes((int(nbytes),), "uint8")
+        n = int(nbytes)
+        return "uint8", (n,), n if 0 <= n <= MAX_NBYTES else tensor_nbytes((n,), "uint8")  # (which raises)
     if dtype is None:  # as with numpy.empty, a shape alone would silently mean uint8 here
         raise InvalidArgument("loan(shape=...) needs a dtype too (or loan(nbytes) for raw bytes)")
     name = dtype_name(dtype)

@@ -16,7 +16,6 @@ from google.protobuf.message import Message
 from .. import arena, shm_names
 from .._delayed import DelayedCall
 from ..errors import ClosedError, Reason, ShmTransportError, Unavailable
-from ..objtable import slot_index
 from ..v1 import daemon_pb2 as pb
 from ..wire import MAX_BATCH, default_socket_path
 from .connection import _Connection
@@ -269,8 +268,7 @@ class _Client:
         if isinstance(view, Lease):
             if view._table is not None:
                 if self._live_table(view._table):
-                    shm = view.handle.shm
-                    view._table.release_lease(slot_index(shm.slot), shm.generation)
+                    view._table.release_lease(*view._slot_key)
             else:
                 self._queued_leases.append(view.lease_id)
         elif isinstance(view, Loan) and view._placed is not None:
@@ -292,8 +290,11 @@ class _Client:
             self._background.within(0.0)
         elif self._queued_handles or self._queued_leases or self._deferred:
             self._background.within(self._release_delay_s)
-        elif (tables := self._surplus_grants()) is not None:
-            self._background.within(0.0 if tables.give_back else self.GRANT_RETURN_DELAY_S)
+        elif (tables := self._tables) is not None and tables.give_back and self._live_table(tables):
+            self._background.within(0.0)
+        elif not self._background.pending and self._surplus_grants() is not None:
+            # (a run already asked for reschedules itself while grants remain to look at)
+            self._background.within(self.GRANT_RETURN_DELAY_S)
 
     def _flush_quietly(self) -> None:
         """Background path: nobody is there to catch an error, so log it."""

@@ -23,6 +23,7 @@ import itertools
 import time
 from typing import Callable
 
+from .. import handle_wire
 from ..allocator import PAGE, Allocator
 from ..errors import InvalidArgument, Reason, ResourceExhausted, StateError
 from ..objtable import GRANT_ACTIVE, GRANT_PARKED, ObjectTable, SlotStatus, grant_word, raise_for
@@ -118,6 +119,7 @@ class TableClient:
         self.give_back: list[int] = []  # grant ids to return with the next Grant call
         self._placed_at = 0.0  # monotonic time of the last placement
         self._slot_per_nbytes = SLOT_PER_NBYTES  # the density of this producer's next standard grant
+        self._wire_reader = handle_wire.WireReader()  # acquire_wire's (its owner's lock serializes calls)
 
     # -- producer --------------------------------------------------------------------------------
     def place(self, sizes: list[int], wait_s: float = 0.0) -> list[Placed]:
@@ -294,7 +296,12 @@ class TableClient:
         """Whether ``collect`` may have work, now or once this producer is idle (its owner then
         collects in the background): grants to give back, objects others still hold, grants to
         park."""
-        return bool(self.give_back or self._released or any(not grant.parked for grant in self._grants))
+        if self.give_back or self._released:
+            return True
+        for grant in self._grants:
+            if not grant.parked:
+                return True
+        return False
 
     def _reclaim(self, obj: Placed) -> None:
         del self._placed[obj.slot]
@@ -319,6 +326,26 @@ class TableClient:
             if status is not SlotStatus.OK:
                 raise_for(status, slot)
         self._leases[key] = count + 1
+
+    def acquire_wire(self, data: bytes, name: bytes, instance_id: bytes,
+                     arena_nbytes: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """``acquire`` of the object the handle's wire form ``data`` names, read, checked and held
+        in one native call (``ObjectTable.acquire_wire``): what it read (``WireReader.head``, and
+        the shape), or None when that call does not take the handle (the caller takes the general
+        path, which says what is wrong with it)."""
+        reader = self._wire_reader
+        status = self.table.acquire_wire(data, name, instance_id, arena_nbytes, self.bit, reader.ptr)
+        if status is None:
+            return None
+        head = reader.head()
+        generation, slot = head[2], head[3]
+        key = (slot - 1, generation)
+        count = self._leases.get(key, 0)
+        if status is not SlotStatus.OK and not (status is SlotStatus.ALREADY and count):
+            raise_for(status, slot - 1)
+        _step("t_after_acquire")
+        self._leases[key] = count + 1
+        return head, reader.shape(head[-1])
 
     def release_lease(self, slot: int, generation: int) -> None:
         """Drop one lease; the last clears this client's hold bit. StateError (DOUBLE_RELEASE)

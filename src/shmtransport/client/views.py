@@ -77,11 +77,11 @@ class _View:
 
     def _typed(self, memory: memoryview) -> np.ndarray:
         """The handle's dtype and shape over ``memory``, tracked by ``_views_alive``."""
-        root = np.frombuffer(memory, dtype=np.uint8)
+        root: np.ndarray = np.ndarray(self.handle.shape, dtype_from_name(self.handle.dtype), memory)
         # numpy points every view derived from ``root`` (slices, reshapes, torch.from_numpy)
         # at ``root`` itself, so its weakref says whether any view of these bytes is alive.
         self._roots.append(weakref.ref(root))
-        return root.view(dtype_from_name(self.handle.dtype)).reshape(self.handle.shape)
+        return root
 
     def _views_alive(self) -> bool:
         return any(ref() is not None for ref in self._roots)
@@ -177,12 +177,14 @@ class Lease(_View):
     _client: Consumer
 
     def __init__(self, client: "Consumer", handle: Handle, memory: memoryview, lease_id: int,
-                 table: TableClient | None = None) -> None:
+                 table: TableClient | None = None, slot_key: tuple[int, int] = (0, 0)) -> None:
         """``table``: set for a lease held with this client's bit in the object table
-        (``lease_id`` 0); otherwise the daemon's lease ``lease_id``."""
+        (``lease_id`` 0) on the object ``slot_key`` (table index, generation); otherwise the
+        daemon's lease ``lease_id``."""
         super().__init__(client, handle, memory)
         self.lease_id = lease_id
         self._table = table
+        self._slot_key = slot_key
         self._private: np.ndarray | None = None
         if _call_sites.enabled:  # a leak check is on: remember the caller for its report
             _call_sites.record(self)
@@ -216,7 +218,10 @@ class Lease(_View):
     def release(self) -> None:
         """Give the lease back (see ``Consumer.release``); ``array`` raises from then on."""
         if not self._released:
-            self._client._release_views([self])
+            if self._table is not None:
+                self._client._release_held(self)
+            else:
+                self._client._release_views([self])
 
     def __repr__(self) -> str:
         return f"Lease(id={self.lease_id}, {self.handle!r}, {'released' if self._released else 'live'})"
