@@ -98,7 +98,10 @@ class Consumer(_Client):
         the handle."""
         if self._deferred:
             self._requeue_deferred(force=False)  # releases whose views are gone by now
-        self._conn.ensure_recent()  # a daemon restart is noticed before the handle is compared with it
+        # No liveness check here: the native call compares the handle's daemon instance with this
+        # session's, and one of a restarted daemon takes the general path, which reconnects. A
+        # handle of this session's instance names bytes still mapped here, whether or not that
+        # daemon is alive: taking them is what an acquire just before its death would have done.
         with self._lock:
             tables = self._table_client()
             mapping = self._conn.mapping
