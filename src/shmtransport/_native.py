@@ -282,8 +282,9 @@ def copy(dst: Any, src: Any, threads: int | None = None) -> None:
     nbytes = s.nbytes
     nchunks = max(1, -(-nbytes // TREE_CHUNK_NBYTES))
     dptr, sptr = _wptr(d), _ptr(s)
-    if d.nbytes != nbytes:
-        _check(lib.shmt_copy(dptr, d.nbytes, sptr, nbytes), "copy")  # reports the size mismatch
+    if d.nbytes != nbytes or _parallelism(threads, nbytes, nchunks) == 1:
+        _check(lib.shmt_copy(dptr, d.nbytes, sptr, nbytes), "copy")  # (a size mismatch is reported)
+        return
 
     def copy_range(first: int, last: int) -> None:
         off = first * TREE_CHUNK_NBYTES

@@ -62,9 +62,17 @@ def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch")
 
 
+# Native-order numpy dtypes -> their names, the common case of dtype_name (others take its checks).
+_NUMPY_NAMES: dict[np.dtype, str] = {np.dtype(name): name for name in DTYPES if name != "bfloat16"}
+
+
 def dtype_name(x: Any) -> str:
     """vLLM's dtype name (``str(torch.dtype)`` minus ``torch.``) of a name, a numpy array / dtype,
     or a torch tensor / dtype. Only the 13 dtypes of ``DTYPES``; numpy data must be little-endian."""
+    if isinstance(x, np.ndarray) and np.little_endian:
+        known = _NUMPY_NAMES.get(x.dtype)
+        if known is not None:
+            return known
     if isinstance(x, str):
         name = x.removeprefix("torch.")
     elif isinstance(x, (np.ndarray, np.dtype)) or (isinstance(x, type) and issubclass(x, np.generic)):

@@ -141,8 +141,6 @@ class Loan(_View):
 
         Raises ClosedError (released), StateError (already committed), Unavailable (the daemon
         restarted under the loan)."""
-        if self._placed is not None and not digest:
-            return self._client._commit_placed(self, hold_ms)
         return self._client.commit_many([self], digest=digest, hold_ms=hold_ms, wait=wait)[0]
 
     def _seal(self) -> None:
