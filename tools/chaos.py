@@ -158,7 +158,8 @@ def _worker_main(conn, role: str, socket_path: str) -> None:
                 handle = Handle.from_bytes(blob)
                 phase("c_before_acquire", pause_at)
                 try:
-                    lease = client.acquire(handle)
+                    # Both consumer paths: the handle's bytes in one native call, or the Handle.
+                    lease = client.acquire_bytes(blob) if seed % 2 else client.acquire(handle)
                 except Unavailable as exc:
                     # A handle of a killed instance is rightly refused; one of the instance the
                     # client reaches is the stale-instance bug, reported as such (no retry).

@@ -2,9 +2,10 @@
 (``run_lifecycles``), and the same shape of request sent inline over gRPC (``run_grpc_inline_lifecycles``).
 
 One lifecycle = ``put_many`` of ``tensors`` arrays (with the content digest fused in when
-``fused_hash``) -> handles over the pair's socket -> ``acquire_many`` -> check their digests ->
-``release`` the leases -> ack -> the producer releases its handles. The consumer's digest check
-(xxh3_64 of every array) is inside the lifecycle: it is the receiver's correctness flag.
+``fused_hash``) -> handles over the pair's socket -> ``acquire_many`` (``acquire_bytes`` for one)
+-> check their digests -> ``release`` the leases -> ack -> the producer releases its handles. The
+consumer's digest check (xxh3_64 of every array) is inside the lifecycle: it is the receiver's
+correctness flag.
 
 The handles travel on a ``SOCK_SEQPACKET`` socket pair (pickled, one packet each way), the cheapest
 channel a frontend could pick, as iceoryx2's pairs use their own event service: the row measures
@@ -128,8 +129,10 @@ def _consumer_main(socket_path: str, fused_hash: bool, sockets, ctl, peer, tenso
             idle_s = 0.0
             if packet in (STOP, b""):
                 break
-            handles = [mod.Handle.from_bytes(b) for b in pickle.loads(packet)]
-            leases = client.acquire_many(handles)
+            blobs = pickle.loads(packet)
+            # As a user would: one handle's bytes straight to a lease, several in one call.
+            leases = [client.acquire_bytes(blobs[0])] if len(blobs) == 1 else \
+                client.acquire_many([mod.Handle.from_bytes(b) for b in blobs])
             ok = all(verify(lease.array, d) for lease, d in zip(leases, digests))
             client.release(leases)
             del leases

@@ -26,7 +26,7 @@ from typing import Callable
 from .. import handle_wire
 from ..allocator import PAGE, Allocator
 from ..errors import InvalidArgument, Reason, ResourceExhausted, StateError
-from ..objtable import GRANT_ACTIVE, GRANT_PARKED, ObjectTable, SlotStatus, grant_word, raise_for
+from ..objtable import GRANT_ACTIVE, GRANT_PARKED, ObjectTable, SlotStatus, grant_word, raise_for, slot_index
 from ..v1 import daemon_pb2 as pb
 
 # Fault injection (the chaos harness): called with a step name between the steps of every
@@ -338,11 +338,10 @@ class TableClient:
         if status is None:
             return None
         head = reader.head()
-        generation, slot = head[2], head[3]
-        key = (slot - 1, generation)
+        key = (slot_index(head[3]), head[2])  # (index, generation)
         count = self._leases.get(key, 0)
         if status is not SlotStatus.OK and not (status is SlotStatus.ALREADY and count):
-            raise_for(status, slot - 1)
+            raise_for(status, key[0])
         _step("t_after_acquire")
         self._leases[key] = count + 1
         return head, reader.shape(head[-1])
