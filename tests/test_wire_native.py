@@ -33,13 +33,14 @@ def messages(draw: st.DrawFn, ascii_only: bool = True) -> pb.TensorHandle:
 
 def _fields_of(msg: pb.TensorHandle) -> handle_wire.WireFields:
     s = msg.shm
-    return handle_wire.WireFields(s.name, s.offset, s.nbytes, s.owner_id, s.generation, s.instance_id, s.slot,
-                                  msg.dtype, tuple(msg.shape), msg.digest, msg.commit_token)
+    where = handle_wire.Where(s.name, s.offset, s.nbytes, s.owner_id, s.generation, s.instance_id, s.slot)
+    return handle_wire.WireFields(where, msg.dtype, tuple(msg.shape), msg.digest, msg.commit_token)
 
 
 def _write(f: handle_wire.WireFields) -> bytes | None:
-    return handle_wire.write(f.name.encode(), f.offset, f.nbytes, f.owner_id.encode(), f.generation,
-                             f.instance_id.encode(), f.slot, f.dtype.encode(), f.shape, f.digest, f.commit_token)
+    w = f.where
+    return handle_wire.write(w.name.encode(), w.offset, w.nbytes, w.owner_id.encode(), w.generation,
+                             w.instance_id.encode(), w.slot, f.dtype.encode(), f.shape, f.digest, f.commit_token)
 
 
 @settings(max_examples=400, deadline=None)

@@ -3,25 +3,14 @@ digest). Immutable plain data: the frontend builds it, the request carries it, t
 acquires it."""
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from . import handle_wire
 from .errors import InvalidArgument
+from .handle_wire import Where
 from .v1 import daemon_pb2 as pb
 
 __all__ = ["Handle", "Where"]
-
-
-class Where(NamedTuple):
-    """A ``pb.Handle``'s fields as plain values: where the bytes are and whose they are."""
-
-    name: str
-    offset: int
-    nbytes: int
-    owner_id: str
-    generation: int
-    instance_id: str
-    slot: int
 
 
 class Handle:
@@ -128,8 +117,7 @@ class Handle:
         data = bytes(data)
         f = handle_wire.parse(data)
         if f is not None:
-            return cls._of(Where(f.name, f.offset, f.nbytes, f.owner_id, f.generation, f.instance_id, f.slot), data,
-                           f.dtype, f.shape, f.digest, f.commit_token)
+            return cls._of(f.where, data, f.dtype, f.shape, f.digest, f.commit_token)
         msg = pb.TensorHandle()
         try:
             msg.ParseFromString(data)

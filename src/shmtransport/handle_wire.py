@@ -25,8 +25,8 @@ if ffi is not None and (ffi.offsetof("shmt_wire_handle", "shape") != _HEAD.size
     raise ImportError("shmt_wire_handle's layout is not the one handle_wire reads; rebuild the C kernels")
 
 
-class WireFields(NamedTuple):
-    """A parsed ``TensorHandle``: its ``shm`` fields, then the tensor's."""
+class Where(NamedTuple):
+    """A ``pb.Handle``'s fields as plain values: where the bytes are and whose they are."""
 
     name: str
     offset: int
@@ -35,6 +35,12 @@ class WireFields(NamedTuple):
     generation: int
     instance_id: str
     slot: int
+
+
+class WireFields(NamedTuple):
+    """A parsed ``TensorHandle``: its ``shm`` fields, then the tensor's."""
+
+    where: Where
     dtype: str
     shape: tuple[int, ...]
     digest: bytes
@@ -65,9 +71,9 @@ class WireReader:
         (offset, nbytes, generation, slot, name_at, name_len, owner_at, owner_len, instance_at, instance_len,
          dtype_at, dtype_len, digest_at, digest_len, token_at, token_len, ndim) = self.head()
         return WireFields(
-            data[name_at:name_at + name_len].decode("ascii"), offset, nbytes,
-            data[owner_at:owner_at + owner_len].decode("ascii"), generation,
-            data[instance_at:instance_at + instance_len].decode("ascii"), slot,
+            Where(data[name_at:name_at + name_len].decode("ascii"), offset, nbytes,
+                  data[owner_at:owner_at + owner_len].decode("ascii"), generation,
+                  data[instance_at:instance_at + instance_len].decode("ascii"), slot),
             data[dtype_at:dtype_at + dtype_len].decode("ascii"), self.shape(ndim),
             data[digest_at:digest_at + digest_len], data[token_at:token_at + token_len],
         )
