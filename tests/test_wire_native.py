@@ -43,7 +43,7 @@ def _write(f: handle_wire.WireFields) -> bytes | None:
                              w.instance_id.encode(), w.slot, f.dtype.encode(), f.shape, f.digest, f.commit_token)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(messages())
 def test_what_protobuf_writes_the_c_reader_reads_and_the_c_writer_writes_alike(msg: pb.TensorHandle) -> None:
     data = msg.SerializeToString()
@@ -71,14 +71,14 @@ def _protobuf_reads_the_same(data: bytes) -> None:
     assert msg.SerializeToString() == data  # exactly what protobuf writes: a cached wire form is canonical
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.data())
 def test_what_the_c_reader_accepts_protobuf_reads_alike_and_writes_back_unchanged(data: st.DataObject) -> None:
     original = data.draw(messages(ascii_only=False)).SerializeToString()
     _protobuf_reads_the_same(data.draw(_mutations(original)))
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_noise_is_read_alike_or_left_to_protobuf(data: bytes) -> None:
     _protobuf_reads_the_same(data)
