@@ -16,7 +16,6 @@ if BACKEND == "c":
 else:  # pragma: no cover - exercised under SHMTRANSPORT_BACKEND=python
     ffi = lib = None
 
-WIRE_OTHER = -20 if lib is None else lib.SHMT_WIRE_OTHER
 # A shmt_wire_handle as the C kernels fill it: 17 u64 fields (offset ... ndim), then the dims.
 _HEAD = struct.Struct("<17Q")
 _DIMS = [struct.Struct(f"<{n}Q") for n in range(33)]
