@@ -201,7 +201,7 @@ def test_daemon_flags_start_the_remote_tier_with_a_secret_from_a_file(tmpdir_sho
     secret, secret_file = "s3cret-" + os.urandom(12).hex(), os.path.join(tmpdir_short, "secret")
     with open(secret_file, "w") as f:
         f.write(secret + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "shmtransport", "daemon", "--socket",
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "shmtransport", "daemon", "--socket",
                              os.path.join(tmpdir_short, "d.sock"), "--name-prefix", prefix, "--arena-size", "8M",
                              "--remote", "127.0.0.1:0", "--remote-secret-file", secret_file],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -219,10 +219,21 @@ def test_daemon_flags_start_the_remote_tier_with_a_secret_from_a_file(tmpdir_sho
             assert described.endpoint == endpoint
         assert secret not in " ".join(proc.args)  # never on the command line, where ps shows it
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=TIMEOUT_S)
+        err = _terminate(proc)
     assert proc.returncode == 0, err
     assert segments_of(prefix) == []
+
+
+def _terminate(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM, then its stderr; one that does not exit in time is made to dump every thread's
+    stack (faulthandler, on SIGABRT) into the failure, and never outlives the test."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=TIMEOUT_S)[1]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        pytest.fail(f"the daemon did not exit within {TIMEOUT_S} s of SIGTERM; its threads:\n{err}")
 
 
 def _hold_a_lease(conn, socket_path: str, handle_bytes: bytes) -> None:

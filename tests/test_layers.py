@@ -26,6 +26,21 @@ def test_the_daemon_and_the_client_never_import_each_other():
             assert not {t for t in targets if layers.layer_of(t) == "daemon"}, module
 
 
+def test_no_modules_import_each_other():
+    assert layers.cycles(layers.graph()) == []
+
+
+def test_a_planted_import_circle_is_found_even_under_type_checking(tmp_path):
+    root = _tree(tmp_path / "shmtransport", {
+        "__init__.py": "",
+        "a.py": "from . import b\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n",
+        "c.py": "from .a import x\n",
+        "d.py": "from . import a\n",
+    })
+    assert layers.cycles(layers.graph(root)) == [["a", "b", "c"]]
+
+
 def _tree(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
     for name, text in files.items():
         path = root / name

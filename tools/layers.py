@@ -110,6 +110,39 @@ def crossings(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
     return {(m, t) for m, targets in edges.items() for t in targets if layer_of(t) not in ALLOWED[layer_of(m)]}
 
 
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or through others (strongly connected
+    components of more than one module), each sorted; TYPE_CHECKING imports count too."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in edges.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
 def layer_graph(edges: dict[str, set[str]]) -> dict[tuple[str, str], int]:
     counts: dict[tuple[str, str], int] = {}
     for m, targets in edges.items():
@@ -129,12 +162,16 @@ def main() -> int:
     print(f"crossings: {len(found)} ({len(found - KNOWN)} not in KNOWN)")
     for m, t in sorted(found):
         print(f"  {m} -> {t}{'' if (m, t) in KNOWN else '   NEW'}")
+    circles = cycles(edges)
+    print(f"import circles: {len(circles)}")
+    for group in circles:
+        print("  " + " <-> ".join(group))
     sizes = sorted(((len(p.read_text().splitlines()), p.relative_to(SRC)) for p in SRC.rglob("*.py")
                     if "v1" not in p.relative_to(SRC).parts[:1]), reverse=True)[:10]
     print("largest modules (lines):")
     for n, p in sizes:
         print(f"  {n:5} {p}")
-    return 1 if found != KNOWN else 0
+    return 1 if found != KNOWN or circles else 0
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ import logging
 import os
 import signal
 import sys
-import threading
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from . import BACKEND, __version__
 from .daemon.config import DaemonConfig
 from .errors import MissingDependency, ShmTransportError
 from .socket_lock import SocketInUse
+from .stop_signal import StopSignal
 from .wire import default_socket_path
 
 if TYPE_CHECKING:
@@ -157,9 +157,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
     except (ShmTransportError, ValueError, OSError) as exc:
         print(f"shmtransportd: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = StopSignal()
     daemon = Daemon(config, extensions=extensions)
     try:
         daemon.start()

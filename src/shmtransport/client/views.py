@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, Sequence, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -25,17 +25,40 @@ from .table import Placed, TableClient
 if TYPE_CHECKING:
     import torch
 
-    from .consumer import Consumer
-    from .producer import Producer
-    from .session import _Client
-
 _V = TypeVar("_V", bound="_View")
+
+
+class ViewOwner(Protocol):
+    """What a view needs of the client it came from (``session._Client``): views sit below the
+    clients, which they never import."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the client was closed (its views were released with it)."""
+
+    def _collected_unreleased(self, view: _View) -> None: ...
+
+    def _release_views(self, views: Sequence[_View]) -> None: ...
+
+
+class LoanOwner(ViewOwner, Protocol):
+    """A ``Producer``, as its loans see it."""
+
+    def commit_many(self, loans: Sequence[Loan], *, digest: bool = False, hold_ms: int = 0,
+                    wait: bool = False) -> list[Handle]:
+        """See ``Producer.commit_many``."""
+
+
+class LeaseOwner(ViewOwner, Protocol):
+    """A ``Consumer``, as its leases see it."""
+
+    def _release_held(self, lease: Lease) -> None: ...
 
 
 class _View:
     """Shared machinery of a Loan and a Lease: a typed view over the bytes a handle names."""
 
-    def __init__(self, client: "_Client", handle: Handle, memory: memoryview) -> None:
+    def __init__(self, client: ViewOwner, handle: Handle, memory: memoryview) -> None:
         self._client = client
         self.handle = handle
         self._memory: memoryview | None = memory  # None once let go (released, or committed and unviewed)
@@ -123,9 +146,9 @@ class _View:
 class Loan(_View):
     """Writable bytes loaned to a producer; ``commit`` seals them and returns the handle."""
 
-    _client: Producer
+    _client: LoanOwner
 
-    def __init__(self, client: "Producer", handle: Handle, memory: memoryview,
+    def __init__(self, client: LoanOwner, handle: Handle, memory: memoryview,
                  placed: tuple[TableClient, Placed] | None = None) -> None:
         """``placed``: the object-table entry of a loan placed in this producer's own grant."""
         arena.unprotect(memory)  # the bytes of an object committed here earlier may be read-only
@@ -174,9 +197,9 @@ class Loan(_View):
 class Lease(_View):
     """A consumer's read-only view of committed bytes, valid until ``release``."""
 
-    _client: Consumer
+    _client: LeaseOwner
 
-    def __init__(self, client: "Consumer", handle: Handle, memory: memoryview, lease_id: int,
+    def __init__(self, client: LeaseOwner, handle: Handle, memory: memoryview, lease_id: int,
                  table: TableClient | None = None, slot_key: tuple[int, int] = (0, 0)) -> None:
         """``table``: set for a lease held with this client's bit in the object table
         (``lease_id`` 0) on the object ``slot_key`` (table index, generation); otherwise the

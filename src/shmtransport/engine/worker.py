@@ -136,6 +136,7 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
 
     async def GetServerInfo(self, request: gpb.ServerInfoRequest,
                             context: grpc.aio.ServicerContext[gpb.ServerInfoRequest, gpb.ServerInfo]) -> gpb.ServerInfo:
+        """What this server accepts and does (limits, adapters, native Generate)."""
         return self._info
 
     def _prepare(self, request: gpb.GenerateRequest) -> tuple[dict[str, Any], Any, EngineInputs | None]:
@@ -183,6 +184,7 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
 
     async def GenerateStream(self, request: gpb.GenerateRequest,
                              context: _StreamContext) -> AsyncIterator[gpb.GenerateStreamChunk]:
+        """Generate through vLLM's engine, one chunk per step; a cancelled call aborts the request."""
         first = True
         total = 0
         try:
@@ -209,6 +211,7 @@ class VllmGeneratorService(gpb_grpc.GeneratorServicer):
             raise InvalidArgument(f"engine rejected the request: {exc}") from exc
 
     async def Generate(self, request: gpb.GenerateRequest, context: _UnaryContext) -> gpb.GenerateResponse:
+        """``GenerateStream``'s chunks folded into one response."""
         from ..protocol.folding import fold
 
         chunks = [c async for c in self.GenerateStream(request, context)]

@@ -35,4 +35,5 @@ class ServerInfoServicer(gpb_grpc.GeneratorServicer):
         self._info = server_info(limits, native_generate=native_generate)
 
     def GetServerInfo(self, request: gpb.ServerInfoRequest, context: grpc.ServicerContext) -> gpb.ServerInfo:
+        """What this server accepts and does (limits, adapters, native Generate)."""
         return self._info

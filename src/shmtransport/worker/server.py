@@ -36,7 +36,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Mapping, cast
@@ -52,6 +51,7 @@ from ..protocol.capabilities import ServerInfoServicer
 from ..protocol.limits import DEFAULT_LIMITS, Limits
 from ..protocol.spec import INGEST_KEY, KNOWN_ADAPTERS, TIMING_KEY, grpc_options
 from ..socket_lock import claim_socket, unix_socket_path
+from ..stop_signal import StopSignal
 from ..v1 import features_pb2 as fpb
 from ..v1 import generate_pb2 as gpb
 from ..v1 import generate_pb2_grpc as gpb_grpc
@@ -283,6 +283,8 @@ class GeneratorService(ServerInfoServicer):
 
     def GenerateStream(self, request: gpb.GenerateRequest, context: grpc.ServicerContext
                        ) -> Iterator[gpb.GenerateStreamChunk]:
+        """Generate with the reference model, one chunk per step (counted as cancelled when the
+        client goes away)."""
         gen = self._chunks(request, context)
         try:
             for chunk in gen:
@@ -299,6 +301,7 @@ class GeneratorService(ServerInfoServicer):
             gen.close()
 
     def Generate(self, request: gpb.GenerateRequest, context: grpc.ServicerContext) -> gpb.GenerateResponse:
+        """``GenerateStream``'s chunks folded into one response."""
         try:
             chunks = list(self._chunks(request, context))
         except _Aborted:
@@ -386,9 +389,7 @@ class WorkerServer:
     def serve_until_signalled(self, name: str = "shmtransport worker") -> None:
         """Start, print ``NAME ready: ADDRESS device D pid P`` (what ``WorkerProcess`` waits for),
         serve until SIGTERM or SIGINT, then stop. For a process's main thread (signal handlers)."""
-        stop = threading.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
+        stop = StopSignal()
         self.start()
         print(f"{name} ready: {self.address} device {self.service.device} pid {os.getpid()}", flush=True)
         try:
