@@ -19,20 +19,21 @@ handle to freed or re-allocated bytes is always detected (no ABA).
 All methods take the one registry lock; none blocks or does I/O under it, except freeing a
 dedicated segment (one unlink + close; creating them happens outside the lock). A call waiting for
 a commit waits on the objects it names only: a commit wakes its own waiters, never rescans others.
+
+Its parts, each used under that lock: ``objects.ObjectBook`` (the object table),
+``dedicated.DedicatedSegments``, ``deadlines.Deadlines`` (TTLs and holds), ``waiting``
+(waiting calls and commit waiters), ``records`` (what is booked).
 """
 from __future__ import annotations
 
 import collections
-import contextlib
-import enum
-import heapq
 import hmac
 import itertools
 import logging
 import secrets
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from .. import shm_names
 from ..allocator import PAGE, Allocator
@@ -47,9 +48,12 @@ from ..errors import (
     Unavailable,
 )
 from ..v1 import daemon_pb2 as pb
+from .deadlines import Deadline, Deadlines
+from .dedicated import DedicatedSegments
 from .objects import ObjectBook
 from .records import Allocation, LeaseRecord, ObjState, Session, TenantLimits
-from .segments import Segment, ShmReserve
+from .segments import ShmReserve
+from .waiting import CommitWaiters, WaitingCalls
 
 _log = logging.getLogger("shmtransport.daemon")
 _RATE_WINDOW_S = 5.0
@@ -58,13 +62,6 @@ _RATE_WINDOW_S = 5.0
 # consumer's last release there and a long-waiting producer's grant. Each look wakes a thread.
 ROOM_POLL_S = 0.005
 ROOM_POLL_MAX_S = 0.05
-
-
-class _Deadline(enum.IntEnum):
-    """What a TTL deadline in the heap ends (ordered after the time, so ties compare cheaply)."""
-
-    HOLD = 0  # an object's hold or hand-off window; the entry's key is the Allocation's key
-    LEASE = 1  # a lease's TTL; the entry's key is the lease id
 
 
 _U64_MAX = (1 << 64) - 1
@@ -80,15 +77,6 @@ def _saturated_stat(**fields: Any) -> pb.StatResponse:
 
 
 LIST_LIMIT = 10_000  # objects in one List answer (a 4 MiB message holds ~40k; the largest come first)
-
-
-class _CommitWaiter:
-    """One Acquire waiting for commits: woken only by the commit of an object it names."""
-
-    __slots__ = ("event",)
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
 
 
 class Registry:
@@ -110,28 +98,24 @@ class Registry:
         self.allocator = allocator
         self.limits = limits
         self.quota_nbytes = limits.quota_nbytes or allocator.nbytes
-        self._shm_reserve = shm_reserve or ShmReserve(0)
-        self._segment_owner = segment_owner
         self._tenant_base = shm_names.base_of_arena(segment_name)
+        self._dedicated = DedicatedSegments(self._tenant_base, shm_reserve or ShmReserve(0), segment_owner)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # notified whenever bytes are freed
         self._room_poller = False  # whether a waiting Grant polls the table for room (see grant)
-        self._commit_waiters: dict[int, list[_CommitWaiter]] = {}  # object key -> waiting Acquires
-        self._dedicated_nbytes = 0
+        self._commit_waiters = CommitWaiters()
         self._quarantined: dict[int, int] = {}  # lease id -> bytes, leases past their TTL
         self._objects: dict[int, Allocation] = {}  # Allocation.key -> allocation
-        self._dedicated: dict[str, int] = {}  # dedicated segment name -> key in _objects
         self._leases: dict[int, LeaseRecord] = {}
         self._sessions: dict[str, Session] = {}
-        self._deadlines: list[tuple[float, int, int]] = []  # (when, kind, key) lazily invalidated
+        self._deadlines = Deadlines()
         self._next_generation = 1
         self._next_lease_id = 1
         # Times of the allocations of the last _RATE_WINDOW_S only (pruned on every append), so
         # memory and the cost of Stat stay proportional to the recent rate, not to uptime.
         self._alloc_times: collections.deque[float] = collections.deque()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._waiting_lock = threading.Lock()  # taken with and without the registry lock
-        self._waiting_calls = 0
+        self._waiting = WaitingCalls()
         self.objects = objects
 
     # -- sessions --------------------------------------------------------------------------------
@@ -239,7 +223,7 @@ class Registry:
                         # Orphans die without telling anyone (their consumers release in shared
                         # memory), so the table is polled for them: by one waiter of the tenant at a
                         # time, the others wait to be woken. Waiting costs the same for 1 or 100.
-                        with self._waiting():
+                        with self._waiting.waiting():
                             if polling or not self._room_poller:
                                 self._room_poller = polling = True
                                 self._freed.wait(min(remaining, poll_s))
@@ -289,7 +273,7 @@ class Registry:
                     if remaining <= 0 or total > min(self.allocator.nbytes, self.quota_nbytes):
                         self.counters["allocation_failures"] += 1
                         raise
-                    with self._waiting():
+                    with self._waiting.waiting():
                         self._freed.wait(remaining)
             response = pb.LoanResponse()
             for offset, nbytes in zip(offsets, sizes):
@@ -305,11 +289,7 @@ class Registry:
         plant a file under a future name. The bytes are reserved up front in the tenant's quota
         (so concurrent loans cannot overshoot it) and the segments created outside the lock,
         under the daemon-wide /dev/shm reserve."""
-        if self._segment_owner is None:
-            raise PermissionDenied(
-                "dedicated segments are opened by name, so a daemon not running as root can give them "
-                "only to its own uid; use arena loans, or run the daemon as root"
-            )
+        self._dedicated.check_allowed()
         sizes = self._sizes(sizes)
         total = sum(sizes)
         with self._lock:
@@ -324,21 +304,19 @@ class Registry:
             except ResourceExhausted:
                 self.counters["allocation_failures"] += 1
                 raise
-            self._dedicated_nbytes += total
+            self._dedicated.nbytes += total
             first = self._next_generation
             self._next_generation += len(sizes)
-        segments: list[Segment] = []
+        segments = []
         try:
-            for i, nbytes in enumerate(sizes):
-                name = shm_names.dedicated_name(self._tenant_base, first + i)
-                segments.append(self._shm_reserve.create(name, nbytes, *self._segment_owner))
+            segments = self._dedicated.create(first, sizes)
             with self._lock:
                 session = self._live_session(session_id)
                 response = pb.LoanResponse()
                 for i, (nbytes, seg) in enumerate(zip(sizes, segments)):
                     gen = first + i
                     obj = Allocation(-gen, nbytes, gen, session_id, commit_token=secrets.token_bytes(16), segment=seg)
-                    self._dedicated[seg.name] = -gen
+                    self._dedicated.add(seg.name, -gen)
                     self._add_loan(session, obj, response)
                 self._note_allocations(len(sizes))
                 self.counters["dedicated_total"] += len(sizes)
@@ -347,14 +325,14 @@ class Registry:
             for seg in segments:
                 seg.unlink()
             with self._lock:
-                self._dedicated_nbytes -= total
+                self._dedicated.nbytes -= total
                 self._freed.notify_all()
             raise
 
     @property
     def used_nbytes(self) -> int:
         """Bytes counted against the tenant's quota: its arena allocations and dedicated segments."""
-        return self.allocator.used_nbytes + self._dedicated_nbytes
+        return self.allocator.used_nbytes + self._dedicated.nbytes
 
     def _check_quota(self, total: int) -> None:
         if self.used_nbytes + total <= self.quota_nbytes:
@@ -380,12 +358,12 @@ class Registry:
     def dedicated_names(self) -> list[str]:
         """The names in /dev/shm of this tenant's live dedicated segments, sorted."""
         with self._lock:
-            return sorted(self._dedicated)
+            return self._dedicated.names()
 
     def unlink_dedicated(self) -> None:
         """Daemon shutdown: unlink every dedicated segment still registered."""
         with self._lock:
-            segments = [self._objects[key].segment for key in self._dedicated.values()]
+            segments = [self._objects[key].segment for key in self._dedicated.keys()]
         for seg in filter(None, segments):
             seg.unlink()
 
@@ -414,7 +392,7 @@ class Registry:
             for obj in objs:
                 self._mark_committed(obj)
                 obj.hold_until, obj.handoff = until, handoff
-                heapq.heappush(self._deadlines, (until, _Deadline.HOLD, obj.key))
+                self._deadlines.add(until, Deadline.HOLD, obj.key)
 
     # -- consumer side ---------------------------------------------------------------------------
     def acquire(
@@ -474,7 +452,7 @@ class Registry:
                 if obj.handoff:  # the first acquire takes the hand-off over
                     obj.hold_until, obj.handoff = 0.0, False
                 session.leases.add(lease.lease_id)
-                heapq.heappush(self._deadlines, (expires_at, _Deadline.LEASE, lease.lease_id))
+                self._deadlines.add(expires_at, Deadline.LEASE, lease.lease_id)
                 lease_ids[i] = lease.lease_id
             return lease_ids
 
@@ -512,21 +490,15 @@ class Registry:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StateError(f"object at offset {pending[0].offset} is not committed")
-            waiter = _CommitWaiter()
-            for obj in pending:
-                self._commit_waiters.setdefault(obj.key, []).append(waiter)
+            keys = [obj.key for obj in pending]
+            woken = self._commit_waiters.register(keys)
             self._lock.release()
             try:
-                with self._waiting():
-                    waiter.event.wait(remaining)
+                with self._waiting.waiting():
+                    woken.wait(remaining)
             finally:
                 self._lock.acquire()
-                for obj in pending:
-                    waiters = self._commit_waiters.get(obj.key)
-                    if waiters is not None and waiter in waiters:
-                        waiters.remove(waiter)
-                        if not waiters:
-                            del self._commit_waiters[obj.key]
+                self._commit_waiters.forget(woken, keys)
 
     # -- both ------------------------------------------------------------------------------------
     def release(
@@ -596,9 +568,8 @@ class Registry:
         """Drop leases and holds whose deadline passed (the sweeper thread calls this)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                _, kind, key = heapq.heappop(self._deadlines)
-                if kind is _Deadline.LEASE:
+            for kind, key in self._deadlines.due(now):
+                if kind is Deadline.LEASE:
                     lease = self._leases.get(key)
                     if lease is None or lease.quarantined or lease.expires_at > now:
                         continue
@@ -618,14 +589,10 @@ class Registry:
                             self.counters["reclaimed_handoff_nbytes"] += freed
             if self.objects is not None:
                 self.objects.sweep(now, self._free_granted, _RATE_WINDOW_S)
-            # Released leases leave their deadline behind (lazy deletion); rebuild the heap when
-            # such stale entries dominate, so memory follows what is live, not the TTL x rate.
-            if len(self._deadlines) > 4 * (len(self._leases) + len(self._objects)) + 4096:
-                self._deadlines = [(lease.expires_at, _Deadline.LEASE, lease.lease_id)
-                                   for lease in self._leases.values() if not lease.quarantined]
-                self._deadlines += [(o.hold_until, _Deadline.HOLD, key)
-                                    for key, o in self._objects.items() if o.hold_until]
-                heapq.heapify(self._deadlines)
+            live_leases = ((lease.expires_at, Deadline.LEASE, lease.lease_id)
+                           for lease in self._leases.values() if not lease.quarantined)
+            live_holds = ((o.hold_until, Deadline.HOLD, key) for key, o in self._objects.items() if o.hold_until)
+            self._deadlines.compact(len(self._leases) + len(self._objects), itertools.chain(live_leases, live_holds))
 
     def _quarantine(self, lease: LeaseRecord, session: Session) -> None:
         """A lease past its TTL whose holder lives: keep its bytes (a view may still read them)."""
@@ -722,7 +689,7 @@ class Registry:
                 quarantined_leases=len(self._quarantined),
                 quarantined_nbytes=sum(self._quarantined.values()),
                 quarantined_leases_total=c["quarantined_leases_total"],
-                dedicated_nbytes=self._dedicated_nbytes,
+                dedicated_nbytes=self._dedicated.nbytes,
                 quota_nbytes=self.quota_nbytes,
                 quota_leases=self.limits.quota_leases,
                 clients=clients,
@@ -740,21 +707,10 @@ class Registry:
                 released_at_close_leases=c["released_at_close_leases"],
                 released_at_close_loans=c["released_at_close_loans"],
                 released_at_close_nbytes=c["released_at_close_nbytes"],
-                waiting_calls=self._waiting_calls,
+                waiting_calls=self._waiting.count,
             )
 
     # -- internals (lock held) -------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _waiting(self) -> Iterator[None]:
-        """Counted in Stat's ``waiting_calls`` meanwhile."""
-        with self._waiting_lock:
-            self._waiting_calls += 1
-        try:
-            yield
-        finally:
-            with self._waiting_lock:
-                self._waiting_calls -= 1
-
     def _note_allocations(self, count: int) -> None:
         """Count ``count`` allocations made now: in the total, and in the window of allocations_per_s."""
         now = time.monotonic()
@@ -793,7 +749,7 @@ class Registry:
         """The registry key a handle names: its arena offset, or a dedicated segment's key."""
         if h.name == self.segment_name:
             return h.offset
-        return self._dedicated.get(h.name)
+        return self._dedicated.key_of(h.name)
 
     def _add_loan(self, session: Session, obj: Allocation, response: pb.LoanResponse) -> None:
         """Register a new allocation as ``session``'s loan and name it in ``response``."""
@@ -808,8 +764,7 @@ class Registry:
 
     def _mark_committed(self, obj: Allocation) -> None:
         obj.state = ObjState.COMMITTED
-        for waiter in self._commit_waiters.pop(obj.key, ()):
-            waiter.event.set()
+        self._commit_waiters.wake(obj.key)
         # The producer's reference now counts as committed bytes (by Commit, or by handoff in a
         # consumer's Acquire: then the producer is another session than the caller).
         owner = self._sessions.get(obj.owner) if obj.producer_ref else None
@@ -853,10 +808,9 @@ class Registry:
         return obj
 
     def _resolve_dedicated(self, h: pb.Handle) -> Allocation:
-        key = self._dedicated.get(h.name)
+        key = self._dedicated.key_of(h.name)
         if key is None:
-            generation = shm_names.dedicated_generation(self._tenant_base, h.name)
-            if generation is not None and 0 < generation < self._next_generation:
+            if self._dedicated.is_stale(h.name, self._next_generation):
                 raise HandleError(f"stale handle: dedicated segment {h.name!r} was freed", Reason.STALE_HANDLE)
             raise HandleError(f"unknown segment {h.name!r}")
         obj = self._objects[key]
@@ -891,13 +845,9 @@ class Registry:
         if obj.producer_ref or obj.leases or obj.hold_until:
             return 0
         del self._objects[obj.key]
-        for waiter in self._commit_waiters.pop(obj.key, ()):
-            waiter.event.set()  # an Acquire waiting for this loan's commit fails now, not at its deadline
+        self._commit_waiters.wake(obj.key)  # an Acquire waiting for this loan's commit fails now, not at its deadline
         if obj.segment is not None:
-            # A stock reader may have unlinked the name already: Segment.unlink tolerates that.
-            del self._dedicated[obj.segment.name]
-            self._dedicated_nbytes -= obj.nbytes
-            obj.segment.unlink()
+            self._dedicated.freed(obj.segment, obj.nbytes)
         else:
             self.allocator.free(obj.offset)
         self._freed.notify_all()
