@@ -20,7 +20,7 @@ from ..v1 import daemon_pb2 as pb
 from ..wire import MAX_BATCH, default_socket_path
 from .connection import _Connection
 from .table import TableClient
-from .views import Lease, Loan, _View
+from .views import Lease, Loan, View
 
 _log = logging.getLogger("shmtransport.client")
 _C = TypeVar("_C", bound="_Client")
@@ -54,8 +54,8 @@ class _Client:
         self._release_delay_s = release_delay_s
         self._lock = threading.RLock()
         self._flush_lock = threading.Lock()  # one flush at a time: flush() returns when all landed
-        self._deferred: list[_View] = []  # released by the caller, views still alive
-        self._collected: collections.deque[_View] = collections.deque()  # dropped unreleased
+        self._deferred: list[View] = []  # released by the caller, views still alive
+        self._collected: collections.deque[View] = collections.deque()  # dropped unreleased
         self._queued_handles: list[pb.Handle] = []
         self._queued_leases: list[int] = []
         self._background = DelayedCall(self._flush_quietly, name=f"shmt-{type(self).__name__.lower()}-releases")
@@ -237,8 +237,8 @@ class _Client:
             raise Unavailable(f"handle of segment {shm.name!r} is not this daemon's arena", Reason.INSTANCE_MISMATCH)
         return mapping.view(shm.offset, shm.nbytes)
 
-    def _collected_unreleased(self, view: _View) -> None:
-        """A finalizer's hand-off (see ``_View.__del__``): lock-free, released by the next flush.
+    def _collected_unreleased(self, view: View) -> None:
+        """A finalizer's hand-off (see ``View.__del__``): lock-free, released by the next flush.
         Not while the interpreter shuts down: no RPC then, and the daemon reclaims the session."""
         if not self._closed and not sys.is_finalizing():
             self._collected.append(view)  # keeps the view until then
@@ -250,7 +250,7 @@ class _Client:
             if not view._released:
                 self._release_views([view])
 
-    def _release_views(self, views: Sequence[_View]) -> None:
+    def _release_views(self, views: Sequence[View]) -> None:
         """Queue the release, or defer it while the caller still holds a view of the bytes."""
         with self._lock:
             for view in views:
@@ -261,7 +261,7 @@ class _Client:
                     self._queue(view)
             self._schedule_flush()
 
-    def _queue(self, view: _View) -> None:
+    def _queue(self, view: View) -> None:
         """Release one view's hold (lock held): in the object table at once, else queued for the
         daemon."""
         view._forget_memory()

@@ -25,7 +25,7 @@ from .table import Placed, TableClient
 if TYPE_CHECKING:
     import torch
 
-_V = TypeVar("_V", bound="_View")
+_V = TypeVar("_V", bound="View")
 
 
 class ViewOwner(Protocol):
@@ -36,9 +36,9 @@ class ViewOwner(Protocol):
     def closed(self) -> bool:
         """Whether the client was closed (its views were released with it)."""
 
-    def _collected_unreleased(self, view: _View) -> None: ...
+    def _collected_unreleased(self, view: View) -> None: ...
 
-    def _release_views(self, views: Sequence[_View]) -> None: ...
+    def _release_views(self, views: Sequence[View]) -> None: ...
 
 
 class LoanOwner(ViewOwner, Protocol):
@@ -55,8 +55,9 @@ class LeaseOwner(ViewOwner, Protocol):
     def _release_held(self, lease: Lease) -> None: ...
 
 
-class _View:
-    """Shared machinery of a Loan and a Lease: a typed view over the bytes a handle names."""
+class View:
+    """Shared machinery of a Loan, a Lease and a remote tier's buffer: a typed view over the bytes
+    a handle names, whose release waits until no numpy or torch view of them is alive."""
 
     def __init__(self, client: ViewOwner, handle: Handle, memory: memoryview) -> None:
         self._client = client
@@ -143,7 +144,7 @@ class _View:
                           "collector (call release, or use it as a context manager)", ResourceWarning, 2)
 
 
-class Loan(_View):
+class Loan(View):
     """Writable bytes loaned to a producer; ``commit`` seals them and returns the handle."""
 
     _client: LoanOwner
@@ -194,7 +195,7 @@ class Loan(_View):
             super().__del__()
 
 
-class Lease(_View):
+class Lease(View):
     """A consumer's read-only view of committed bytes, valid until ``release``."""
 
     _client: LeaseOwner

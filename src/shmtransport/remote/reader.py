@@ -20,7 +20,6 @@ import secrets
 import threading
 import time
 import warnings
-import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -29,16 +28,19 @@ import numpy as np
 import numpy.typing as npt
 
 from .._backend import kernels
+from ..client.views import View
 from ..errors import (
+    ClosedError,
     DeadlineExceeded,
     IdentityMismatch,
     InvalidArgument,
     PermissionDenied,
+    Reason,
     ShmTransportError,
     Unavailable,
     error_from_rpc,
 )
-from ..tensors import dtype_from_name, to_torch
+from ..handle import Handle
 from ..v1 import daemon_pb2 as pb
 from ..v1 import features_pb2 as fpb
 from ..v1 import remote_pb2 as rpb
@@ -49,7 +51,6 @@ from .auth import SECRET_METADATA_KEY, RemoteTLS, check_secret
 from .daemon_ext import REMOTE_SESSION_METADATA_KEY
 
 if TYPE_CHECKING:
-    import torch
     from google.protobuf.message import Message
 
 _log = logging.getLogger("shmtransport.remote")
@@ -72,99 +73,58 @@ def _page_buffer(nbytes: int) -> tuple[mmap.mmap, npt.NDArray[np.uint8]]:
     return mm, np.frombuffer(mm, dtype=np.uint8)
 
 
-class RemoteBuffer:
-    """A tensor read from a remote daemon into this process's memory; ``release`` returns the slot."""
+class RemoteBuffer(View):
+    """A tensor read from a remote daemon into this process's memory, viewed as a consumer's
+    ``Lease`` is (``array``, ``tensor()``, ``verify``, ``closed``); ``release`` gives the receive
+    memory back once no view of it is alive. ``handle`` is the source's."""
 
-    def __init__(self, reader: "RemoteReader", tensor: pb.TensorHandle, memory: npt.NDArray[np.uint8],
+    _client: "RemoteReader"
+
+    def __init__(self, reader: "RemoteReader", tensor: pb.TensorHandle, memory: memoryview,
                  slot: int | None, large: "_LargeBuffer | None" = None) -> None:
-        self._reader = reader
-        self.handle = tensor  # of the source
-        self._memory: npt.NDArray[np.uint8] | None = memory  # None once given back
+        """``memory``: where the bytes land, ``tensor.shm.nbytes`` of them: a slot of the reader's
+        pool (``slot``), or a registered buffer of its own (``large``). A memoryview of the mmap
+        itself, not of an array over it: numpy would make the callers' views point past ours."""
+        super().__init__(reader, Handle.from_proto(tensor), memory)
+        self._addr = int(np.frombuffer(memory, dtype=np.uint8).ctypes.data)
+        self._tensor_nbytes = _desc.tensor_nbytes(tensor)
         self._slot = slot
         self._large = large
-        self._array: npt.NDArray[Any] | None = None
-        self._root_ref: weakref.ref[npt.NDArray[np.uint8]] | None = None
-        self.released = False
 
     @property
     def nbytes(self) -> int:
         """Bytes of the source object."""
-        return int(self.handle.shm.nbytes)
+        return self.handle.nbytes
 
     @property
     def pooled(self) -> bool:
         """Whether the bytes are in one of the reader's pooled slots (given back at ``release``)."""
         return self._slot is not None
 
-    def _bytes(self) -> npt.NDArray[np.uint8]:
-        if self._memory is None:
-            raise ShmTransportError(f"{self!r} is released")
-        return self._memory
-
     @property
     def addr(self) -> int:
         """Address of the received bytes in this process; valid until ``release``."""
-        return int(self._bytes().ctypes.data)
-
-    @property
-    def array(self) -> npt.NDArray[Any]:
-        """The tensor as a numpy array over the received bytes (no copy); valid until ``release``."""
-        if self.released:
-            raise ShmTransportError(f"{self!r} is released")
-        if self._array is None:
-            n = _desc.tensor_nbytes(self.handle)
-            dtype, shape = dtype_from_name(self.handle.dtype), tuple(self.handle.shape)
-            if n == 0:
-                self._array = np.empty(shape, dtype)
-            else:
-                # numpy points every view derived from ``root`` at ``root``: its weakref tells whether
-                # the caller still holds a view, so the receive memory is not reused under it.
-                root = np.frombuffer(self._bytes().data[:n], dtype=np.uint8)
-                self._root_ref = weakref.ref(root)
-                self._array = root.view(dtype).reshape(shape)
-        return self._array
-
-    def _views_alive(self) -> bool:
-        return self._root_ref is not None and self._root_ref() is not None
-
-    def tensor(self) -> torch.Tensor:
-        """The tensor as a torch tensor sharing the received bytes."""
-        return to_torch(self.array, self.handle.dtype)
+        self._live_memory()
+        return self._addr
 
     def verify(self) -> None:
         """Check the received bytes against the handle's digest; IdentityMismatch if they differ."""
+        if self._released:
+            raise ClosedError(f"{self!r} is released", Reason.VIEW_RELEASED)
         if not self.handle.digest:
             raise InvalidArgument("remote handle carries no digest: the producer did not hash")
-        if kernels.tree_digest(self._bytes().data[: _desc.tensor_nbytes(self.handle)]) != self.handle.digest:
+        if kernels.tree_digest(self._live_memory()[: self._tensor_nbytes]) != self.handle.digest:
             raise IdentityMismatch(f"content digest mismatch after the remote read of {self!r}")
 
     def release(self) -> None:
         """Give the receive memory back; while the caller still holds a view of it (``array``,
         ``tensor()`` or anything derived), it is not reused: it returns once they are gone."""
-        if self.released:
-            return
-        self.released = True
-        self._array = None
-        self._reader._give_back(self)
-
-    def __enter__(self) -> "RemoteBuffer":
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        # The client's finalizer policy: warn, then release — by the reader's next read or its
-        # close, never here (a finalizer may run inside the reader's lock).
-        if not getattr(self, "released", True):
-            self._reader._collected.append(self)  # keeps the buffer until then; first: the warning may be an error
-            warnings.warn(f"{self!r} was never released: released by the garbage collector (call release, "
-                          "or use it as a context manager)", ResourceWarning, 2)
+        if not self._released:
+            self._client._release_views([self])
 
     def __repr__(self) -> str:
         where = f"slot {self._slot}" if self._slot is not None else "dynamic"
-        state = "released" if self.released else "live"
+        state = "released" if self._released else "live"
         return (f"RemoteBuffer({self.handle.dtype}{list(self.handle.shape)}, nbytes={self.nbytes}, {where}, "
                 f"{state})")
 
@@ -309,7 +269,7 @@ class RemoteReader:
         self.large_cache_nbytes = large_cache_nbytes
         self._large_cache: list[_LargeBuffer] = []  # released, still registered, oldest first
         self._deferred: list[RemoteBuffer] = []  # released while the caller still held views
-        self._collected: collections.deque[RemoteBuffer] = collections.deque()  # dropped unreleased
+        self._collected: collections.deque[View] = collections.deque()  # dropped unreleased
         self._pending: list[grpc.Future[rpb.RemoteReleaseResponse]] = []  # lease releases in flight
         self.stats = {"reads": 0, "pooled": 0, "dynamic": 0, "registrations": 0, "bytes": 0}
 
@@ -319,6 +279,18 @@ class RemoteReader:
         return self._closed
 
     # -- destinations ----------------------------------------------------------------------------
+    def _collected_unreleased(self, view: View) -> None:
+        """A buffer dropped unreleased (``View.__del__``): released by the next read or the close,
+        never in the finalizer (it may run inside the reader's lock)."""
+        self._collected.append(view)
+
+    def _release_views(self, views: Sequence[View]) -> None:
+        """``RemoteBuffer.release``: their memory goes back, or waits for the caller's last view."""
+        for view in views:
+            assert isinstance(view, RemoteBuffer)  # the only views a reader hands out
+            view._detach_views()
+            self._give_back(view)
+
     def _sweep_deferred(self, force: bool = False) -> None:
         while self._collected:
             self._collected.popleft().release()
@@ -339,7 +311,7 @@ class RemoteReader:
             if slot is not None:
                 start = slot * self.slot_nbytes
                 self.stats["pooled"] += 1
-                return RemoteBuffer(self, tensor, self._pool[start : start + nbytes], slot)
+                return RemoteBuffer(self, tensor, memoryview(self._pool_mm)[start : start + nbytes], slot)
         large = None
         with self._lock:
             fits = [b for b in self._large_cache if nbytes <= b.capacity <= 2 * max(nbytes, self.slot_nbytes)]
@@ -352,14 +324,14 @@ class RemoteReader:
         self.stats["dynamic"] += 1
         if large.memory is None:  # only buffers not freed are cached
             raise ShmTransportError("internal: a freed receive buffer was reused")
-        return RemoteBuffer(self, tensor, large.memory[:nbytes], None, large)
+        return RemoteBuffer(self, tensor, memoryview(large.mm)[:nbytes], None, large)
 
     def _give_back(self, buf: RemoteBuffer, force: bool = False) -> None:
         if buf._views_alive() and not force:
             with self._lock:
                 self._deferred.append(buf)
             return
-        buf._memory = None
+        buf._forget_memory()
         if buf._slot is not None:
             with self._lock:
                 self._free_slots.append(buf._slot)
