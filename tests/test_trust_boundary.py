@@ -722,7 +722,7 @@ def test_a_commit_wakes_only_the_acquires_waiting_for_its_objects(make_daemon):
             thread.start()
         # An Acquire is counted as waiting once it has registered for every object it names.
         wait_until(lambda: daemon.stat().waiting_calls == 4, timeout_s=5, what="acquires waiting")
-        resolved = _count_calls(registry, "_resolve")
+        resolved = _count_calls(registry.allocations, "resolve")
         for _ in range(20):
             h = producer.put(np.zeros(64, np.uint8))
             victim.release([victim.acquire(h)])

@@ -1,36 +1,21 @@
-"""One tenant's book of who holds which bytes: allocations, leases, sessions, TTLs and quotas.
-
-Lifetime (``docs/design.md``, lifetime rules): a producer ``loan``s (the allocation is owned by its
-session, writable, not visible), ``commit``s (sealed; consumers may ``acquire`` leases), and
-``release``s its reference.
-Bytes go back to the allocator when no producer reference, no lease and no hold remain. A session
-that dies loses every reference and lease it held. Holds expire by TTL. A lease that outlives its
-TTL while its session is alive is *quarantined*, not freed: the client may still hold a view of the
-bytes, so they are never reused under it; it is reported (log, Stat) and its bytes are freed when it
-is released or its session dies.
+"""One tenant's books: its sessions, quotas and counters, and the two books of its objects
+behind one lock: ``objects.ObjectBook`` (the object table, where clients with a holder bit keep
+their objects themselves) and ``allocations.AllocationBook`` (the objects the daemon keeps for the
+others, and dedicated segments). The registry checks each call (session, batch, quota, handle's
+instance and tenant) and hands each object to the book it lives in.
 
 Each tenant (an allowed uid or group) has its own Registry, arena and quotas; a handle of another
 tenant's segment is refused, so tenants can neither read nor pin each other's bytes.
 
-Handles are checked against the allocation that currently lives at their offset: same instance,
-segment, offset, size and generation, or the call is refused. Generations are never reused, so a
-handle to freed or re-allocated bytes is always detected (no ABA).
-
 All methods take the one registry lock; none blocks or does I/O under it, except freeing a
-dedicated segment (one unlink + close; creating them happens outside the lock). A call waiting for
-a commit waits on the objects it names only: a commit wakes its own waiters, never rescans others.
-
-Its parts, each used under that lock: ``objects.ObjectBook`` (the object table),
-``dedicated.DedicatedSegments``, ``deadlines.Deadlines`` (TTLs and holds), ``waiting``
-(waiting calls and commit waiters), ``records`` (what is booked).
+dedicated segment (one unlink + close; creating them happens outside the lock). Waiting calls (for
+room, or for a commit) wait on a condition of the lock, woken by what they wait for.
 """
 from __future__ import annotations
 
 import collections
-import hmac
 import itertools
 import logging
-import secrets
 import threading
 import time
 from typing import Any, Sequence
@@ -48,12 +33,12 @@ from ..errors import (
     Unavailable,
 )
 from ..v1 import daemon_pb2 as pb
-from .deadlines import Deadline, Deadlines
+from .allocations import AllocationBook
 from .dedicated import DedicatedSegments
 from .objects import ObjectBook
-from .records import Allocation, LeaseRecord, ObjState, Session, TenantLimits
+from .records import LeaseRecord, Session, TenantLimits
 from .segments import ShmReserve
-from .waiting import CommitWaiters, WaitingCalls
+from .waiting import WaitingCalls
 
 _log = logging.getLogger("shmtransport.daemon")
 _RATE_WINDOW_S = 5.0
@@ -80,8 +65,8 @@ LIST_LIMIT = 10_000  # objects in one List answer (a 4 MiB message holds ~40k; t
 
 
 class Registry:
-    """One tenant's books: its sessions, loans, leases and grants, quotas, hand-off windows and
-    counters, behind one lock; objects in the object table are kept by its ``ObjectBook``."""
+    """One tenant's sessions, quotas, grants and counters, and its two object books (``objects``:
+    the table; ``allocations``: the daemon's own), behind one lock."""
 
     def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: TenantLimits,
                  shm_reserve: ShmReserve | None = None, segment_owner: tuple[int, int] | None = (-1, -1),
@@ -99,24 +84,19 @@ class Registry:
         self.limits = limits
         self.quota_nbytes = limits.quota_nbytes or allocator.nbytes
         self._tenant_base = shm_names.base_of_arena(segment_name)
-        self._dedicated = DedicatedSegments(self._tenant_base, shm_reserve or ShmReserve(0), segment_owner)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # notified whenever bytes are freed
         self._room_poller = False  # whether a waiting Grant polls the table for room (see grant)
-        self._commit_waiters = CommitWaiters()
-        self._quarantined: dict[int, int] = {}  # lease id -> bytes, leases past their TTL
-        self._objects: dict[int, Allocation] = {}  # Allocation.key -> allocation
-        self._leases: dict[int, LeaseRecord] = {}
         self._sessions: dict[str, Session] = {}
-        self._deadlines = Deadlines()
-        self._next_generation = 1
-        self._next_lease_id = 1
         # Times of the allocations of the last _RATE_WINDOW_S only (pruned on every append), so
         # memory and the cost of Stat stay proportional to the recent rate, not to uptime.
         self._alloc_times: collections.deque[float] = collections.deque()
         self.counters: collections.Counter[str] = collections.Counter()
         self._waiting = WaitingCalls()
         self.objects = objects
+        dedicated = DedicatedSegments(self._tenant_base, shm_reserve or ShmReserve(0), segment_owner)
+        self.allocations = AllocationBook(instance_id, segment_name, self._sessions, dedicated, self.counters,
+                                          self._bytes_freed, self._waiting, self._check_handle)
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, session_id: str, pid: int, uid: int, quarantine_expired: bool = True,
@@ -152,19 +132,10 @@ class Registry:
             if session is None:
                 return
             held = len(session.producer_refs)  # what it still held: references, leases, table holds
-            leases = loans = nbytes = 0
-            for lease_id in list(session.leases):
-                lease = self._leases.get(lease_id)
-                if lease is not None:
-                    leases += 1
-                    nbytes += self._drop_lease(lease, session)
-            for key in list(session.producer_refs):
-                obj = self._objects[key]
-                loans += obj.state is ObjState.LOANED  # a reference to a committed object is neither
-                nbytes += self._drop_producer_ref(obj, session)
+            leases, loans, nbytes = self.allocations.close_session(session)
             held += leases
             if self.objects is not None:
-                in_table = self.objects.close_session(session_id, self._free_granted)
+                in_table = self.objects.close_session(session_id, self._bytes_freed)
                 held += in_table.held
                 leases, loans, nbytes = leases + in_table.leases, loans + in_table.loans, nbytes + in_table.freed_nbytes
             kind = "released_at_close" if closed_by_client else "reclaimed_death"
@@ -190,7 +161,7 @@ class Registry:
         with self._lock:
             self._live_session(session_id)
             if give_back:
-                self.objects.give_back(session_id, list(give_back), self._free_granted)
+                self.objects.give_back(session_id, list(give_back), self._bytes_freed)
             if nbytes == 0:
                 return pb.GrantResponse()
             nbytes = (nbytes + PAGE - 1) // PAGE * PAGE
@@ -240,11 +211,13 @@ class Registry:
         objects died, and grants their producers parked. Whether any bytes came back."""
         if self.objects is None:
             return False
-        return bool(self.objects.reclaim_orphans(self._free_granted) or self.objects.take_parked(self._free_granted))
+        return bool(self.objects.reclaim_orphans(self._bytes_freed) or self.objects.take_parked(self._bytes_freed))
 
-    def _free_granted(self, offset: int) -> None:
-        """An orphaned grant whose objects all died goes back to the arena (lock held)."""
-        self.allocator.free(offset)
+    def _bytes_freed(self, offset: int | None) -> None:
+        """Bytes came back (lock held): an arena ``offset`` (an object's, or an orphaned grant's
+        whose objects all died), or None for a dedicated segment's. Calls waiting for room look again."""
+        if offset is not None:
+            self.allocator.free(offset)
         self._freed.notify_all()
 
     # -- producer side ---------------------------------------------------------------------------
@@ -276,11 +249,7 @@ class Registry:
                     with self._waiting.waiting():
                         self._freed.wait(remaining)
             response = pb.LoanResponse()
-            for offset, nbytes in zip(offsets, sizes):
-                obj = Allocation(offset, nbytes, self._next_generation, session_id,
-                                 commit_token=secrets.token_bytes(16))
-                self._next_generation += 1
-                self._add_loan(session, obj, response)
+            self.allocations.add_arena_loans(session, offsets, sizes, response)
             self._note_allocations(len(sizes))
             return response
 
@@ -289,7 +258,8 @@ class Registry:
         plant a file under a future name. The bytes are reserved up front in the tenant's quota
         (so concurrent loans cannot overshoot it) and the segments created outside the lock,
         under the daemon-wide /dev/shm reserve."""
-        self._dedicated.check_allowed()
+        dedicated = self.allocations.dedicated
+        dedicated.check_allowed()
         sizes = self._sizes(sizes)
         total = sum(sizes)
         with self._lock:
@@ -304,20 +274,15 @@ class Registry:
             except ResourceExhausted:
                 self.counters["allocation_failures"] += 1
                 raise
-            self._dedicated.nbytes += total
-            first = self._next_generation
-            self._next_generation += len(sizes)
+            dedicated.nbytes += total
+            first = self.allocations.take_generations(len(sizes))
         segments = []
         try:
-            segments = self._dedicated.create(first, sizes)
+            segments = dedicated.create(first, sizes)
             with self._lock:
                 session = self._live_session(session_id)
                 response = pb.LoanResponse()
-                for i, (nbytes, seg) in enumerate(zip(sizes, segments)):
-                    gen = first + i
-                    obj = Allocation(-gen, nbytes, gen, session_id, commit_token=secrets.token_bytes(16), segment=seg)
-                    self._dedicated.add(seg.name, -gen)
-                    self._add_loan(session, obj, response)
+                self.allocations.add_dedicated_loans(session, first, sizes, segments, response)
                 self._note_allocations(len(sizes))
                 self.counters["dedicated_total"] += len(sizes)
                 return response
@@ -325,14 +290,14 @@ class Registry:
             for seg in segments:
                 seg.unlink()
             with self._lock:
-                self._dedicated.nbytes -= total
+                dedicated.nbytes -= total
                 self._freed.notify_all()
             raise
 
     @property
     def used_nbytes(self) -> int:
         """Bytes counted against the tenant's quota: its arena allocations and dedicated segments."""
-        return self.allocator.used_nbytes + self._dedicated.nbytes
+        return self.allocator.used_nbytes + self.allocations.dedicated.nbytes
 
     def _check_quota(self, total: int) -> None:
         if self.used_nbytes + total <= self.quota_nbytes:
@@ -358,13 +323,13 @@ class Registry:
     def dedicated_names(self) -> list[str]:
         """The names in /dev/shm of this tenant's live dedicated segments, sorted."""
         with self._lock:
-            return self._dedicated.names()
+            return self.allocations.dedicated.names()
 
     def unlink_dedicated(self) -> None:
         """Daemon shutdown: unlink every dedicated segment still registered."""
         with self._lock:
-            segments = [self._objects[key].segment for key in self._dedicated.keys()]
-        for seg in filter(None, segments):
+            segments = self.allocations.dedicated_segments()
+        for seg in segments:
             seg.unlink()
 
     def commit(self, session_id: str, handles: Sequence[pb.Handle], hold_ms: int) -> None:
@@ -377,22 +342,7 @@ class Registry:
             raise InvalidArgument(f"hold_ms={hold_ms} exceeds the maximum {self.limits.max_hold_ms}")
         with self._lock:
             self._live_session(session_id)
-            objs = [self._resolve(h) for h in handles]
-            for obj in objs:
-                if obj.owner != session_id or not obj.producer_ref:
-                    raise OwnershipError(f"commit of an object this session does not hold (offset {obj.offset})")
-                if obj.state is not ObjState.LOANED:
-                    raise StateError(f"object at offset {obj.offset} is already committed")
-            if len({obj.key for obj in objs}) != len(objs):
-                raise InvalidArgument("the same handle appears twice in one commit")
-            # Without a hold, the hand-off window: the object outlives its producer until the first
-            # acquire (or the window passes), so "commit, send the handle, close" works.
-            handoff = not hold_ms
-            until = time.monotonic() + (self.limits.handoff_window_ms if handoff else hold_ms) / 1000
-            for obj in objs:
-                self._mark_committed(obj)
-                obj.hold_until, obj.handoff = until, handoff
-                self._deadlines.add(until, Deadline.HOLD, obj.key)
+            self.allocations.commit(session_id, handles, hold_ms, self.limits.handoff_window_ms)
 
     # -- consumer side ---------------------------------------------------------------------------
     def acquire(
@@ -422,8 +372,9 @@ class Registry:
             for i in in_table:
                 self._check_table_handle(handles[i])
             tokens = [commit_tokens[i] for i in mine] if commit_tokens else []
-            objs = self._wait_committed([handles[i] for i in mine], tokens, commit_wait_s) if mine else []
-            held = len(self._leases) + (self.objects.proxy_leases if self.objects is not None else 0)
+            objs = self.allocations.wait_committed([handles[i] for i in mine], tokens, commit_wait_s,
+                                                   self._lock) if mine else []
+            held = self.allocations.live_leases + (self.objects.proxy_leases if self.objects is not None else 0)
             if held + len(handles) > self.limits.quota_leases:
                 raise ResourceExhausted(
                     f"tenant lease quota exceeded: the tenant holds {held} leases, asks "
@@ -433,10 +384,10 @@ class Registry:
             lease_ids = [0] * len(handles)
             try:
                 for i in in_table:
-                    self._table().proxy_acquire(session_id, handles[i], self._next_lease_id)
-                    lease_ids[i] = self._next_lease_id
-                    session.leases.add(self._next_lease_id)
-                    self._next_lease_id += 1
+                    lease_id = self.allocations.new_lease_id()
+                    self._table().proxy_acquire(session_id, handles[i], lease_id)
+                    lease_ids[i] = lease_id
+                    session.leases.add(lease_id)
             except BaseException:
                 for i in in_table:
                     if lease_ids[i]:
@@ -445,15 +396,7 @@ class Registry:
                 raise
             expires_at = time.monotonic() + ttl_ms / 1000
             for i, obj in zip(mine, objs):
-                lease = LeaseRecord(self._next_lease_id, obj.key, obj.generation, session_id, expires_at)
-                self._next_lease_id += 1
-                self._leases[lease.lease_id] = lease
-                obj.leases.add(lease.lease_id)
-                if obj.handoff:  # the first acquire takes the hand-off over
-                    obj.hold_until, obj.handoff = 0.0, False
-                session.leases.add(lease.lease_id)
-                self._deadlines.add(expires_at, Deadline.LEASE, lease.lease_id)
-                lease_ids[i] = lease.lease_id
+                lease_ids[i] = self.allocations.lease(session, obj, expires_at)
             return lease_ids
 
     def _check_table_handle(self, h: pb.Handle) -> None:
@@ -468,37 +411,6 @@ class Registry:
                 Reason.OUT_OF_BOUNDS,
             )
         table.proxy_check(h)
-
-    def _wait_committed(
-        self, handles: list[pb.Handle], commit_tokens: Sequence[bytes], commit_wait_s: float
-    ) -> list[Allocation]:
-        """The allocations the handles name, once all are committed: by their token here, or by
-        their producer's Commit within ``commit_wait_s`` (lock held, released while waiting)."""
-        deadline = None  # the clock is read only when a commit is still missing
-        while True:
-            objs = [self._resolve(h) for h in handles]
-            for obj, token in zip(objs, commit_tokens):
-                if token and obj.state is ObjState.LOANED:
-                    if not hmac.compare_digest(token, obj.commit_token):
-                        raise HandleError(f"commit token does not match the loan at offset {obj.offset}")
-                    self._mark_committed(obj)
-            pending = [obj for obj in objs if obj.state is not ObjState.COMMITTED]
-            if not pending:
-                return objs
-            if deadline is None:
-                deadline = time.monotonic() + commit_wait_s
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StateError(f"object at offset {pending[0].offset} is not committed")
-            keys = [obj.key for obj in pending]
-            woken = self._commit_waiters.register(keys)
-            self._lock.release()
-            try:
-                with self._waiting.waiting():
-                    woken.wait(remaining)
-            finally:
-                self._lock.acquire()
-                self._commit_waiters.forget(woken, keys)
 
     # -- both ------------------------------------------------------------------------------------
     def release(
@@ -516,19 +428,17 @@ class Registry:
         handles, lease_ids = list(handles), list(lease_ids)
         with self._lock:
             session = self._live_session(session_id)
+            book = self.allocations
             if piggybacked:
-                handles, lease_ids = self._still_held(session, handles, lease_ids)
+                handles = book.still_held(session, handles)
+                lease_ids = [lease_id for lease_id in lease_ids if lease_id in session.leases]
             if any(h.slot for h in handles):
                 raise InvalidArgument("objects of the object table are released in shared memory, not by RPC")
-            objs = [self._resolve(h) for h in handles]
-            for obj in objs:
-                if obj.owner != session_id:
-                    raise OwnershipError(f"release of another client's object (offset {obj.offset})")
-                if not obj.producer_ref:
-                    raise StateError(f"object at offset {obj.offset} already released", Reason.DOUBLE_RELEASE)
-            leases, proxied = [], []
+            objs = book.owned_for_release(session_id, handles)
+            leases: list[LeaseRecord] = []
+            proxied = []
             for lease_id in lease_ids:
-                lease = self._leases.get(lease_id)
+                lease = book.lease_record(lease_id)
                 proxy = self.objects.proxy_lease(lease_id) if lease is None and self.objects is not None else None
                 if proxy is not None:
                     if proxy.session_id != session_id:
@@ -536,7 +446,7 @@ class Registry:
                     proxied.append(lease_id)
                     continue
                 if lease is None:
-                    if 0 < lease_id < self._next_lease_id:
+                    if book.was_lease_id(lease_id):
                         raise StateError(f"lease {lease_id} already released or expired", Reason.DOUBLE_RELEASE)
                     raise HandleError(f"unknown lease {lease_id}")
                 if lease.session_id != session_id:
@@ -545,65 +455,20 @@ class Registry:
             if len({obj.key for obj in objs}) != len(objs) or len(set(lease_ids)) != len(lease_ids):
                 raise InvalidArgument("the same handle or lease appears twice in one release")
             for obj in objs:
-                if obj.handoff:  # an explicit release ends the hand-off (a session's end keeps it)
-                    obj.hold_until, obj.handoff = 0.0, False
-                self._drop_producer_ref(obj, session)
+                book.release_producer_ref(obj, session)
             for lease in leases:
-                self._drop_lease(lease, session)
+                book.drop_lease(lease, session)
             for lease_id in proxied:
                 self._table().proxy_release(lease_id)
                 session.leases.discard(lease_id)
-
-    def _still_held(
-        self, session: Session, handles: list[pb.Handle], lease_ids: list[int]
-    ) -> tuple[list[pb.Handle], list[int]]:
-        held = []
-        for h in handles:
-            key = self._key(h) if h.instance_id == self.instance_id else None
-            if key in session.producer_refs and self._objects[key].generation == h.generation:
-                held.append(h)
-        return held, [lease_id for lease_id in lease_ids if lease_id in session.leases]
 
     def expire(self, now: float | None = None) -> None:
         """Drop leases and holds whose deadline passed (the sweeper thread calls this)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            for kind, key in self._deadlines.due(now):
-                if kind is Deadline.LEASE:
-                    lease = self._leases.get(key)
-                    if lease is None or lease.quarantined or lease.expires_at > now:
-                        continue
-                    session = self._sessions.get(lease.session_id)
-                    if session is not None and session.quarantine_expired:
-                        self._quarantine(lease, session)
-                    else:
-                        self.counters["reclaimed_ttl_leases"] += 1
-                        self.counters["reclaimed_ttl_nbytes"] += self._drop_lease(lease, session)
-                else:
-                    obj = self._objects.get(key)
-                    if obj is not None and obj.hold_until and obj.hold_until <= now:
-                        obj.hold_until = 0.0
-                        freed = self._maybe_free(obj)
-                        if freed and obj.handoff:
-                            self.counters["reclaimed_handoff_objects"] += 1
-                            self.counters["reclaimed_handoff_nbytes"] += freed
+            self.allocations.expire(now)
             if self.objects is not None:
-                self.objects.sweep(now, self._free_granted, _RATE_WINDOW_S)
-            live_leases = ((lease.expires_at, Deadline.LEASE, lease.lease_id)
-                           for lease in self._leases.values() if not lease.quarantined)
-            live_holds = ((o.hold_until, Deadline.HOLD, key) for key, o in self._objects.items() if o.hold_until)
-            self._deadlines.compact(len(self._leases) + len(self._objects), itertools.chain(live_leases, live_holds))
-
-    def _quarantine(self, lease: LeaseRecord, session: Session) -> None:
-        """A lease past its TTL whose holder lives: keep its bytes (a view may still read them)."""
-        lease.quarantined = True
-        nbytes = self._objects[lease.key].nbytes
-        self._quarantined[lease.lease_id] = nbytes
-        self.counters["quarantined_leases_total"] += 1
-        _log.warning(
-            "lease %d (%d bytes) of session %s (pid %d) outlived its TTL: its bytes stay quarantined "
-            "until it is released or the process exits", lease.lease_id, nbytes, session.session_id, session.pid,
-        )
+                self.objects.sweep(now, self._bytes_freed, _RATE_WINDOW_S)
 
     # -- introspection ---------------------------------------------------------------------------
     def _client_stats(self) -> list[pb.ClientStat]:
@@ -627,17 +492,7 @@ class Registry:
         with self._lock:
             now = time.monotonic()
             pid_of = {session_id: s.pid for session_id, s in self._sessions.items()}
-            infos = []
-            for obj in self._objects.values():
-                leases = [self._leases[i] for i in sorted(obj.leases) if i in self._leases]
-                infos.append(pb.ObjectInfo(
-                    offset=obj.offset, nbytes=obj.nbytes,
-                    generation=obj.generation,
-                    state="held" if obj.hold_until and not obj.handoff else obj.state.value, handoff=obj.handoff,
-                    owner_session=obj.owner,
-                    holder_sessions=[lease.session_id for lease in leases],
-                    age_s=now - obj.created_at, segment_name=obj.segment.name if obj.segment is not None else "",
-                    producer_held=obj.producer_ref, quarantined_leases=sum(lease.quarantined for lease in leases)))
+            infos = self.allocations.infos(now)
             if self.objects is not None:
                 infos.extend(self.objects.list_objects())
             total = len(infos)
@@ -667,6 +522,7 @@ class Registry:
                              parked_nbytes=self.objects.parked_nbytes)
                 table_rate = self.objects.allocation_rate(_RATE_WINDOW_S)
             clients = self._client_stats()
+            quarantined = self.allocations.quarantined
             a = self.allocator
             c = self.counters
             return _saturated_stat(
@@ -676,8 +532,8 @@ class Registry:
                 free_nbytes=a.free_nbytes,
                 largest_free_nbytes=a.largest_free_nbytes,
                 free_extents=a.free_extents,
-                live_objects=len(self._objects) + table["objects"],
-                live_leases=len(self._leases) + table["leases"],
+                live_objects=self.allocations.live_objects + table["objects"],
+                live_leases=self.allocations.live_leases + table["leases"],
                 granted_nbytes=granted,
                 parked_nbytes=table["parked_nbytes"],
                 parked_grants_taken=table["parked_grants_taken"],
@@ -686,10 +542,10 @@ class Registry:
                 reclaimed_handoff_objects=c["reclaimed_handoff_objects"] + table["reclaimed_handoff_objects"],
                 reclaimed_handoff_nbytes=c["reclaimed_handoff_nbytes"] + table["reclaimed_handoff_nbytes"],
                 tenant=self.tenant,
-                quarantined_leases=len(self._quarantined),
-                quarantined_nbytes=sum(self._quarantined.values()),
+                quarantined_leases=quarantined[0],
+                quarantined_nbytes=quarantined[1],
                 quarantined_leases_total=c["quarantined_leases_total"],
-                dedicated_nbytes=self._dedicated.nbytes,
+                dedicated_nbytes=self.allocations.dedicated.nbytes,
                 quota_nbytes=self.quota_nbytes,
                 quota_leases=self.limits.quota_leases,
                 clients=clients,
@@ -745,33 +601,6 @@ class Registry:
         session.used = True
         return session
 
-    def _key(self, h: pb.Handle) -> int | None:
-        """The registry key a handle names: its arena offset, or a dedicated segment's key."""
-        if h.name == self.segment_name:
-            return h.offset
-        return self._dedicated.key_of(h.name)
-
-    def _add_loan(self, session: Session, obj: Allocation, response: pb.LoanResponse) -> None:
-        """Register a new allocation as ``session``'s loan and name it in ``response``."""
-        self._objects[obj.key] = obj
-        session.producer_refs.add(obj.key)
-        session.loaned_nbytes += obj.nbytes
-        # Built in place in the response: a Handle built first would be copied into it again.
-        name = obj.segment.name if obj.segment is not None else self.segment_name
-        response.handles.add(name=name, offset=obj.offset, nbytes=obj.nbytes, owner_id=obj.owner,
-                             generation=obj.generation, instance_id=self.instance_id)
-        response.commit_tokens.append(obj.commit_token)
-
-    def _mark_committed(self, obj: Allocation) -> None:
-        obj.state = ObjState.COMMITTED
-        self._commit_waiters.wake(obj.key)
-        # The producer's reference now counts as committed bytes (by Commit, or by handoff in a
-        # consumer's Acquire: then the producer is another session than the caller).
-        owner = self._sessions.get(obj.owner) if obj.producer_ref else None
-        if owner is not None:
-            owner.loaned_nbytes -= obj.nbytes
-            owner.committed_nbytes += obj.nbytes
-
     def _check_instance_and_tenant(self, h: pb.Handle) -> None:
         """Refuse a handle of another daemon instance, or of another tenant of this one."""
         if h.instance_id != self.instance_id:
@@ -783,72 +612,12 @@ class Registry:
         if shm_names.names_another_tenant(self._tenant_base, h.name):
             raise PermissionDenied(f"segment {h.name!r} belongs to another tenant of this daemon")
 
-    def _resolve(self, h: pb.Handle) -> Allocation:
-        """The live allocation a handle names, or a typed refusal. Never trusts any field alone."""
+    def _check_handle(self, h: pb.Handle) -> None:
+        """What is checked of every handle before it is looked up: its instance and tenant, and
+        for this tenant's arena, its bounds."""
         self._check_instance_and_tenant(h)
-        if h.name != self.segment_name:
-            return self._resolve_dedicated(h)
-        if h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes:
+        if h.name == self.segment_name and (h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes):
             raise HandleError(
                 f"offset {h.offset} + nbytes {h.nbytes} outside the arena of {self.allocator.nbytes} bytes",
                 Reason.OUT_OF_BOUNDS,
             )
-        obj = self._objects.get(h.offset)
-        if obj is None or obj.generation != h.generation:
-            if 0 < h.generation < self._next_generation:
-                raise HandleError(
-                    f"stale handle: the bytes at offset {h.offset} (generation {h.generation}) were freed or reused",
-                    Reason.STALE_HANDLE,
-                )
-            raise HandleError(f"no allocation with generation {h.generation} at offset {h.offset}")
-        if obj.nbytes != h.nbytes:
-            raise HandleError(
-                f"handle nbytes {h.nbytes} does not match the allocation ({obj.nbytes})", Reason.OUT_OF_BOUNDS
-            )
-        return obj
-
-    def _resolve_dedicated(self, h: pb.Handle) -> Allocation:
-        key = self._dedicated.key_of(h.name)
-        if key is None:
-            if self._dedicated.is_stale(h.name, self._next_generation):
-                raise HandleError(f"stale handle: dedicated segment {h.name!r} was freed", Reason.STALE_HANDLE)
-            raise HandleError(f"unknown segment {h.name!r}")
-        obj = self._objects[key]
-        if h.offset != 0 or h.nbytes != obj.nbytes:
-            raise HandleError(f"handle [{h.offset}, +{h.nbytes}) does not match dedicated segment {h.name!r} "
-                              f"({obj.nbytes} bytes at offset 0)", Reason.OUT_OF_BOUNDS)
-        if obj.generation != h.generation:
-            raise HandleError(f"stale handle: generation {h.generation} != {obj.generation}", Reason.STALE_HANDLE)
-        return obj
-
-    def _drop_producer_ref(self, obj: Allocation, session: Session | None) -> int:
-        obj.producer_ref = False
-        if session is not None:
-            session.producer_refs.discard(obj.key)
-            if obj.state is ObjState.LOANED:
-                session.loaned_nbytes -= obj.nbytes
-            else:
-                session.committed_nbytes -= obj.nbytes
-        return self._maybe_free(obj)
-
-    def _drop_lease(self, lease: LeaseRecord, session: Session | None) -> int:
-        del self._leases[lease.lease_id]
-        self._quarantined.pop(lease.lease_id, None)
-        if session is not None:
-            session.leases.discard(lease.lease_id)
-        obj = self._objects[lease.key]
-        obj.leases.discard(lease.lease_id)
-        return self._maybe_free(obj)
-
-    def _maybe_free(self, obj: Allocation) -> int:
-        """Free the bytes if nothing holds them any more; the number of bytes freed (0 if kept)."""
-        if obj.producer_ref or obj.leases or obj.hold_until:
-            return 0
-        del self._objects[obj.key]
-        self._commit_waiters.wake(obj.key)  # an Acquire waiting for this loan's commit fails now, not at its deadline
-        if obj.segment is not None:
-            self._dedicated.freed(obj.segment, obj.nbytes)
-        else:
-            self.allocator.free(obj.offset)
-        self._freed.notify_all()
-        return obj.nbytes
