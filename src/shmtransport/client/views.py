@@ -126,6 +126,7 @@ class View:
             self._forget_memory()
 
     def release(self) -> None:
+        """Give the bytes back (each kind of view says how)."""
         raise NotImplementedError
 
     def __enter__(self: _V) -> _V:
