@@ -357,7 +357,7 @@ def test_forged_handles_through_the_client_give_typed_errors_or_exactly_the_name
         def acquire_through_the_daemon(shm: pb.Handle) -> np.ndarray:
             [lease_id] = c._call("Acquire", pb.AcquireRequest(handles=[shm])).lease_ids
             try:
-                return np.array(np.frombuffer(c._memory(shm), np.uint8))
+                return np.array(np.frombuffer(c._conn.memory(shm), np.uint8))
             finally:
                 c._call("Release", pb.ReleaseRequest(lease_ids=[lease_id]))
 

@@ -152,7 +152,7 @@ def test_tensors_already_in_shm_loan_commit(daemon):
 
 def _flip_first_byte(producer: Producer, request: fpb.MultimodalRequest) -> None:
     shm = request.batches[0].items[0].kwargs["pixel_values"].tensor.shm
-    memory = producer._memory(shm)  # the producer's writable mapping of the arena
+    memory = producer._conn.memory(shm)  # the producer's writable mapping of the arena
     memory[0] ^= 0xFF
     del memory
 

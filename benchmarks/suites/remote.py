@@ -113,7 +113,7 @@ def run(quick: bool) -> Report:
             exporter = RemoteExporter(producer)
             rng = np.random.default_rng(20260901)
             handles = {n: producer.put(rng.integers(0, 256, n, dtype=np.uint8), digest=True) for n in plan}
-            views = {str(n).encode(): producer._memory(h.shm)[:n] for n, h in handles.items()}
+            views = {str(n).encode(): producer._conn.memory(h.shm)[:n] for n, h in handles.items()}
 
             def serve(request, context):
                 return bytes(views[request])  # what an inline sender does: bytes into the message

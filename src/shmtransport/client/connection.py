@@ -15,7 +15,7 @@ import time
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from .. import arena, objtable
+from .. import arena, objtable, shm_names
 from ..errors import (
     PermissionDenied,
     Reason,
@@ -59,7 +59,22 @@ class _Connection:
         self._metadata: tuple[tuple[str, str], ...] = ()
         self._checked_at = 0.0
 
+    def memory(self, shm: pb.Handle) -> memoryview:
+        """The bytes ``shm`` names, as this session maps them: in the arena, or in a dedicated
+        segment of this daemon (mapped on its own; the view keeps that mapping alive, and it is
+        unmapped once no view remains). Unavailable for a segment of another daemon."""
+        arena.validate_segment_name(shm.name)  # a handle names a file in /dev/shm, never a path
+        mapping = self.mapping
+        if mapping is not None and shm.name != mapping.name and shm.offset == 0 \
+                and shm_names.is_dedicated_of_arena(mapping.name, shm.name):
+            owners = frozenset((self.daemon_uid, os.geteuid()))  # the daemon or our tenant
+            return arena.map_dedicated(shm.name, shm.nbytes, self.writable, owners)
+        if mapping is None or shm.name != mapping.name:
+            raise Unavailable(f"handle of segment {shm.name!r} is not this daemon's arena", Reason.INSTANCE_MISMATCH)
+        return mapping.view(shm.offset, shm.nbytes)
+
     def ensure(self) -> None:
+        """Connected to a live daemon: reconnects when the last one is gone."""
         with self._lock:
             if self.stub is not None and not self._session_alive():
                 self._drop()  # the daemon died: its session socket hit EOF

@@ -211,7 +211,7 @@ class Producer(_Client):
 
     def _piggyback(self, request: Message) -> None:
         # A queued release must not overtake the commit of the same object.
-        if self._queued_handles:
+        if self._pending.has_handles:
             self._settle_commits(block=True)
         super()._piggyback(request)
 
@@ -284,7 +284,7 @@ class Producer(_Client):
         if handle.shm.instance_id != self.instance_id:
             raise Unavailable(f"handle of daemon instance {handle.shm.instance_id!r}, connected to "
                               f"{self.instance_id!r}", Reason.INSTANCE_MISMATCH)
-        return bytes(self._memory(handle.shm)[:handle.nbytes])
+        return bytes(self._conn.memory(handle.shm)[:handle.nbytes])
 
     def release(self, handles: Handle | Iterable[Handle], *, wait: bool = False) -> None:
         """Drop this producer's reference(s); bytes are freed once every consumer that holds

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import sys
 import threading
 import warnings
@@ -13,12 +12,12 @@ from typing import Iterable, Literal, Sequence, TypeGuard, TypeVar, overload
 
 from google.protobuf.message import Message
 
-from .. import arena, shm_names
 from .._delayed import DelayedCall
-from ..errors import ClosedError, Reason, ShmTransportError, Unavailable
+from ..errors import ClosedError, ShmTransportError, Unavailable
 from ..v1 import daemon_pb2 as pb
-from ..wire import MAX_BATCH, default_socket_path
+from ..wire import default_socket_path
 from .connection import _Connection
+from .releases import PendingReleases
 from .table import TableClient
 from .views import Lease, Loan, View
 
@@ -56,8 +55,7 @@ class _Client:
         self._flush_lock = threading.Lock()  # one flush at a time: flush() returns when all landed
         self._deferred: list[View] = []  # released by the caller, views still alive
         self._collected: collections.deque[View] = collections.deque()  # dropped unreleased
-        self._queued_handles: list[pb.Handle] = []
-        self._queued_leases: list[int] = []
+        self._pending = PendingReleases()
         self._background = DelayedCall(self._flush_quietly, name=f"shmt-{type(self).__name__.lower()}-releases")
         self._closed = False
         self._tables: TableClient | None = None  # this session's side of the object table
@@ -199,43 +197,26 @@ class _Client:
             request.release.CopyFrom(queued)
 
     def _take_queued(self) -> pb.ReleaseRequest | None:
-        """Up to one batch (the daemon's limit) of queued releases; the rest stays queued."""
-        if not self._queued_handles and not self._queued_leases:
-            return None
-        handles = self._queued_handles[:MAX_BATCH]
-        leases = self._queued_leases[: MAX_BATCH - len(handles)]
-        del self._queued_handles[: len(handles)]
-        del self._queued_leases[: len(leases)]
-        if not self._queued_handles and not self._queued_leases:
+        """Up to one batch of queued releases (lock held); the background send is called off
+        once none is left."""
+        request = self._pending.take()
+        if not self._pending:
             self._background.cancel()
-        return pb.ReleaseRequest(handles=handles, lease_ids=leases)
+        return request
 
     def _map_granted(self, shms: Sequence[pb.Handle], lease_ids: Sequence[int]) -> list[memoryview]:
         """The memory of every loan (no ``lease_ids``) or lease the daemon just granted; when one
         cannot be mapped, all of them are given back (queued) before the error propagates."""
         try:
-            return [self._memory(shm) for shm in shms]
+            return [self._conn.memory(shm) for shm in shms]
         except BaseException:
             with self._lock:
                 if lease_ids:
-                    self._queued_leases.extend(lease_ids)
+                    self._pending.add_lease_ids(lease_ids)
                 else:
-                    self._queued_handles.extend(shms)
+                    self._pending.add_handles(shms)
                 self._schedule_flush()
             raise
-
-    def _memory(self, shm: pb.Handle) -> memoryview:
-        arena.validate_segment_name(shm.name)  # a handle names a file in /dev/shm, never a path
-        mapping = self._conn.mapping
-        if mapping is not None and shm.name != mapping.name and shm.offset == 0 \
-                and shm_names.is_dedicated_of_arena(mapping.name, shm.name):
-            # A dedicated segment of this daemon (LoanRequest.dedicated): mapped on its own; the
-            # returned view keeps the mapping alive and it is unmapped once no view remains.
-            owners = frozenset((self._conn.daemon_uid, os.geteuid()))  # the daemon or our tenant
-            return arena.map_dedicated(shm.name, shm.nbytes, self._writable, owners)
-        if mapping is None or shm.name != mapping.name:
-            raise Unavailable(f"handle of segment {shm.name!r} is not this daemon's arena", Reason.INSTANCE_MISMATCH)
-        return mapping.view(shm.offset, shm.nbytes)
 
     def _collected_unreleased(self, view: View) -> None:
         """A finalizer's hand-off (see ``View.__del__``): lock-free, released by the next flush.
@@ -270,25 +251,25 @@ class _Client:
                 if self._live_table(view._table):
                     view._table.release_lease(*view._slot_key)
             else:
-                self._queued_leases.append(view.lease_id)
+                self._pending.add_lease_ids((view.lease_id,))
         elif isinstance(view, Loan) and view._placed is not None:
             tables, placed = view._placed
             if self._live_table(tables) and placed.held:
                 tables.release_own(placed, cancel_handoff=True)
         else:
-            self._queued_handles.append(view.handle.shm)
+            self._pending.add_handles((view.handle.shm,))
 
     def _queue_handles(self, handles: Iterable[pb.Handle]) -> None:
         with self._lock:
-            self._queued_handles.extend(handles)
+            self._pending.add_handles(handles)
             self._schedule_flush()
 
     def _schedule_flush(self) -> None:
         """Ask the background thread for a flush: at once when many releases are queued, after
         ``release_delay_s`` for a few, now and then while grants may go back (lock held)."""
-        if len(self._queued_handles) + len(self._queued_leases) >= self.MAX_QUEUED_RELEASES:
+        if len(self._pending) >= self.MAX_QUEUED_RELEASES:
             self._background.within(0.0)
-        elif self._queued_handles or self._queued_leases or self._deferred:
+        elif self._pending or self._deferred:
             self._background.within(self._release_delay_s)
         elif (tables := self._tables) is not None and tables.give_back and self._live_table(tables):
             self._background.within(0.0)
