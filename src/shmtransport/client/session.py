@@ -197,10 +197,11 @@ class _Client:
             request.release.CopyFrom(queued)
 
     def _take_queued(self) -> pb.ReleaseRequest | None:
-        """Up to one batch of queued releases (lock held); the background send is called off
-        once none is left."""
+        """Up to one batch of queued releases (lock held). The background send is called off
+        when this took the last one; not when none was queued, since a run may be scheduled
+        for deferred releases or grants."""
         request = self._pending.take()
-        if not self._pending:
+        if request is not None and not self._pending:
             self._background.cancel()
         return request
 
