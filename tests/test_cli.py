@@ -179,13 +179,25 @@ def test_health_is_one_line_ok_with_a_daemon_and_unhealthy_without(make_daemon, 
 
 
 def _line_with(stream, words: str) -> str:
+    """The first line of a child's pipe that holds ``words``; "" when the child says nothing more
+    within TIMEOUT_S or ends first. Reads the fd itself: ``select`` on the buffered stream missed
+    lines its buffer already held (NIXL's log lines and ours arrive in one read), and waited out
+    the whole timeout for a line it had."""
+    fd, wanted = stream.fileno(), words.encode()
     deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([stream], [], [], deadline - time.monotonic())
-        line = stream.readline() if ready else ""
-        if words in line or not ready or not line:
-            return line
-    return ""
+    pending = b""
+    while True:
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            if wanted in line:
+                return line.decode()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return ""
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return ""
+        pending += chunk
 
 
 @pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl")),
