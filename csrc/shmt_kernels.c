@@ -790,7 +790,7 @@ int32_t shmt_slot_publish(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
 {
     shmt_slot *slot = shmt_slot_at(table, nslots, index);
     uint64_t *holders = shmt_holders_at(holds, nslots, index);
-    if (!slot || !holders || !generation || bit >= SHMT_SESSION_BITS || nbytes == 0) return SHMT_EINVAL;
+    if (!slot || !holders || !generation || bit > SHMT_HOLDER_PROXY || nbytes == 0) return SHMT_EINVAL;
     if (shmt_load(holders) != 0) return SHMT_SLOT_ALREADY;
     uint64_t gen = __atomic_load_n(&slot->generation, __ATOMIC_RELAXED) + 1;
     /* The fields are written before the object becomes live (holders != 0): an acquirer that
@@ -813,7 +813,7 @@ int32_t shmt_slot_commit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64
 {
     shmt_slot *slot = shmt_slot_at(table, nslots, index);
     uint64_t *holders = shmt_holders_at(holds, nslots, index);
-    if (!slot || !holders || bit >= SHMT_SESSION_BITS) return SHMT_EINVAL;
+    if (!slot || !holders || bit > SHMT_HOLDER_PROXY) return SHMT_EINVAL;
     if (!(shmt_load(holders) & SHMT_BIT(bit)) || shmt_load(&slot->generation) != generation)
         return SHMT_SLOT_NOT_HELD;
     if (__atomic_load_n(&slot->state, __ATOMIC_RELAXED) != SHMT_SLOT_LOANED) return SHMT_SLOT_ALREADY;

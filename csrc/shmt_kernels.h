@@ -152,7 +152,8 @@ typedef struct {
 #define SHMT_GRANT_PARKED 1
 #define SHMT_GRANT_TAKEN 2
 
-/* Put a new object in a free slot (holders == 0): generation = old + 1, held by `bit`. */
+/* Put a new object in a free slot (holders == 0): generation = old + 1, held by `bit` (its owner:
+ * a session's bit, or the proxy bit for an object the daemon places for a client). */
 int32_t shmt_slot_publish(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t offset,
                           uint64_t nbytes, uint32_t bit, uint64_t *generation);
 /* Seal a loan held by `bit`: state = COMMITTED (HELD when `hold`), hand-off bit set. */

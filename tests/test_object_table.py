@@ -1,9 +1,9 @@
-"""The object table's slot state machine: the C kernels against a model of docs/objects.md.
+"""The object table's slot state machine: the C kernels and the single-writer Python kernels
+(a daemon's table without the C kernels) against one model of docs/objects.md.
 
 Hypothesis drives random sequences of publish, commit, acquire, release, expire and session
 clearing on a real table in shared memory and checks every status and every holders word against
-the model. (The table needs the C kernels: under the pure-Python backend the same semantics are
-checked through the daemon by tests/test_handoff.py.)
+the model, for each kernel set this process has.
 """
 from __future__ import annotations
 
@@ -19,19 +19,18 @@ from shmtransport import objtable
 from shmtransport.errors import HandleError, InvalidArgument, StateError
 from shmtransport.objtable import HANDOFF, PROXY_BIT, ObjectTable, SlotStatus
 
-pytestmark = pytest.mark.skipif(not objtable.available(), reason="the object table needs the C kernels")
-
+needs_c = pytest.mark.skipif(not objtable.available(), reason="a shared object table needs the C kernels")
 NSLOTS = 4
 BITS = st.sampled_from([0, 1, 2, 61, PROXY_BIT])
-SESSION = st.sampled_from([0, 1, 2, 61])
+OWNERS = BITS  # sessions own their loans, the proxy bit those the daemon places
 SLOT = st.integers(0, NSLOTS - 1)
 
 
-def _table(nslots: int = NSLOTS) -> tuple[mmap.mmap, ObjectTable]:
+def _table(nslots: int = NSLOTS, single_writer: bool = False) -> tuple[mmap.mmap, ObjectTable]:
     """One anonymous mapping holding the slots, then the holds."""
     nbytes = objtable.table_nbytes(nslots)
     memory = mmap.mmap(-1, 2 * nbytes)
-    return memory, ObjectTable(memoryview(memory)[:nbytes], memoryview(memory)[nbytes:], nslots)
+    return memory, ObjectTable(memoryview(memory)[:nbytes], memoryview(memory)[nbytes:], nslots, single_writer)
 
 
 class Slot:
@@ -49,9 +48,11 @@ class Slot:
 
 
 class SlotMachine(RuleBasedStateMachine):
+    single_writer = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.memory, self.table = _table()
+        self.memory, self.table = _table(single_writer=self.single_writer)
         self.model = [Slot() for _ in range(NSLOTS)]
         self.now = 1_000
 
@@ -59,7 +60,7 @@ class SlotMachine(RuleBasedStateMachine):
         self.table.close()
         self.memory.close()
 
-    @rule(slot=SLOT, bit=SESSION, nbytes=st.integers(1, 1 << 20))
+    @rule(slot=SLOT, bit=OWNERS, nbytes=st.integers(1, 1 << 20))
     def publish(self, slot, bit, nbytes):
         m = self.model[slot]
         if m.word:
@@ -71,7 +72,7 @@ class SlotMachine(RuleBasedStateMachine):
         m.holders, m.handoff, m.state = {bit}, False, objtable.LOANED
         m.offset, m.nbytes = 4096 * slot, nbytes
 
-    @rule(slot=SLOT, bit=SESSION, window=st.integers(0, 100), hold=st.booleans(), stale=st.booleans())
+    @rule(slot=SLOT, bit=OWNERS, window=st.integers(0, 100), hold=st.booleans(), stale=st.booleans())
     def commit(self, slot, bit, window, hold, stale):
         m = self.model[slot]
         generation = max(m.generation - 1, 0) if stale else m.generation
@@ -155,12 +156,19 @@ class SlotMachine(RuleBasedStateMachine):
             assert int(self.table.columns["generation"][index]) == m.generation
 
 
+class SingleWriterSlotMachine(SlotMachine):
+    single_writer = True
+
+
 SlotMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-test_slot_state_machine = SlotMachine.TestCase
+SingleWriterSlotMachine.TestCase.settings = SlotMachine.TestCase.settings
+test_slot_state_machine_c = needs_c(SlotMachine.TestCase)
+test_slot_state_machine_single_writer = SingleWriterSlotMachine.TestCase
 
 
-def test_every_kernel_refuses_a_slot_outside_the_table():
-    memory, table = _table()
+@pytest.mark.parametrize("single_writer", [pytest.param(False, marks=needs_c), True], ids=["c", "single-writer"])
+def test_every_kernel_refuses_a_slot_outside_the_table(single_writer):
+    memory, table = _table(single_writer=single_writer)
     try:
         with pytest.raises(InvalidArgument):
             table.publish(NSLOTS, 0, 1, 0)
@@ -173,12 +181,15 @@ def test_every_kernel_refuses_a_slot_outside_the_table():
         with pytest.raises(InvalidArgument):
             table.clear_bit(0, 0, NSLOTS + 1)
         with pytest.raises(InvalidArgument):
-            table.publish(0, 0, 1, PROXY_BIT)  # the proxy bit never owns an object
+            table.publish(0, 0, 1, PROXY_BIT + 1)  # the hand-off bit never owns an object
+        with pytest.raises(InvalidArgument):
+            table.acquire(0, 1, 0, 1, PROXY_BIT + 1)
     finally:
         table.close()
         memory.close()
 
 
+@needs_c
 def test_a_stale_acquire_never_keeps_a_bit_on_the_reused_slot():
     """ABA: the handle's generation was freed and the slot reused; the acquire is refused and
     leaves the new object's holders exactly as they were."""
@@ -199,6 +210,7 @@ def test_a_stale_acquire_never_keeps_a_bit_on_the_reused_slot():
         memory.close()
 
 
+@needs_c
 def test_the_table_layout_is_the_c_headers():
     """``SLOT_DTYPE`` and ``HOLD_DTYPE`` are declared in Python for numpy and in the header for the
     kernels: every field at the same offset, every record the same size."""
@@ -212,6 +224,7 @@ def test_the_table_layout_is_the_c_headers():
         "generation", "offset", "nbytes", "state", "deadline_ns", "owner", "grant_state"]
 
 
+@needs_c
 def test_a_consumer_acquires_and_releases_through_read_only_slots_and_cannot_change_them():
     """A consumer maps the slots PROT_READ (a write there would kill it, not corrupt anyone):
     acquire and release touch only the holds; every kernel that writes a slot is refused."""

@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from ._backend import BACKEND
 from .errors import HandleError, InvalidArgument, Reason, StateError
+from .single_writer_slots import SingleWriterSlots
 
 SLOT_NBYTES = 64
 SESSION_BITS = 62  # bits 0..61: one per session holding a bit
@@ -80,49 +81,94 @@ def table_nbytes(nslots: int) -> int:
     return nslots * SLOT_NBYTES
 
 
+class _CSlots:
+    """The C kernels (``shmt_slot_*``) with ``SingleWriterSlots``' signatures: atomic, so any
+    number of processes may share the table."""
+
+    def __init__(self, slots: memoryview, holds: memoryview, nslots: int):
+        from ._native import ffi, lib
+
+        self._ffi, self._lib, self.nslots = ffi, lib, nslots
+        self.slots = ffi.from_buffer("uint8_t[]", slots)
+        self.holds = ffi.from_buffer("uint8_t[]", holds, require_writable=True)
+
+    def publish(self, index: int, offset: int, nbytes: int, bit: int) -> tuple[int, int]:
+        out = self._ffi.new("uint64_t[1]")
+        rc = self._lib.shmt_slot_publish(self.slots, self.holds, self.nslots, index, offset, nbytes, bit, out)
+        return rc, int(out[0])
+
+    def commit(self, index: int, generation: int, bit: int, deadline_ns: int, hold: bool) -> int:
+        return int(self._lib.shmt_slot_commit(self.slots, self.holds, self.nslots, index, generation, bit,
+                                              deadline_ns, hold))
+
+    def acquire(self, index: int, generation: int, offset: int, nbytes: int, bit: int) -> int:
+        return int(self._lib.shmt_slot_acquire(self.slots, self.holds, self.nslots, index, generation, offset,
+                                               nbytes, bit))
+
+    def release(self, index: int, generation: int, bit: int, cancel_handoff: bool) -> tuple[int, int]:
+        out = self._ffi.new("uint64_t[1]")
+        rc = self._lib.shmt_slot_release(self.slots, self.holds, self.nslots, index, generation, bit,
+                                         cancel_handoff, out)
+        return rc, int(out[0])
+
+    def expire(self, index: int, now_ns: int) -> tuple[int, bool]:
+        out = self._ffi.new("int32_t[1]")
+        rc = self._lib.shmt_slot_expire(self.slots, self.holds, self.nslots, index, now_ns, out)
+        return rc, bool(out[0])
+
+    def clear_bit(self, first: int, last: int, bit: int) -> tuple[int, int, int, int]:
+        out = self._ffi.new("uint64_t[3]")
+        rc = self._lib.shmt_slots_clear_bit(self.slots, self.holds, self.nslots, first, last, bit, out, 3)
+        return rc, int(out[0]), int(out[1]), int(out[2])
+
+    def grant_cas(self, index: int, expected: int, desired: int) -> tuple[int, int]:
+        out = self._ffi.new("uint64_t[1]")
+        rc = self._lib.shmt_grant_cas(self.slots, self.nslots, index, expected, desired, out)
+        return rc, int(out[0])
+
+
 class ObjectTable:
-    """A mapped table of ``nslots`` slots; thread-safe (every change is atomic).
+    """A mapped table of ``nslots`` slots; thread-safe (every change is atomic), unless made with
+    ``single_writer``.
 
     ``slots`` is read-only for a consumer (it can only acquire and release), writable for a
     producer and the daemon; ``holds`` is always writable."""
 
-    def __init__(self, slots: memoryview, holds: memoryview, nslots: int):
-        if not available():
+    def __init__(self, slots: memoryview, holds: memoryview, nslots: int, single_writer: bool = False):
+        """``single_writer``: the table is changed by one thread of this process at a time and
+        mapped by no other process; its kernels are then pure Python (``single_writer_slots``), and
+        it needs no C kernels (a daemon without them keeps its tables so)."""
+        if not single_writer and not available():
             raise StateError("the object table needs the C kernels (SHMTRANSPORT_BACKEND=c)")
         if slots.nbytes < table_nbytes(nslots) or holds.nbytes < table_nbytes(nslots) or holds.readonly:
             raise InvalidArgument(f"an object table of {nslots} slots needs {table_nbytes(nslots)} bytes of "
                                   "slots and as many writable bytes of holds")
-        from ._native import ffi, lib
-
-        self._ffi, self._lib = ffi, lib
         self.nslots = nslots
         self.writable = not slots.readonly
+        self.single_writer = single_writer
         self._memory = (slots, holds)
-        self._slots = ffi.from_buffer("uint8_t[]", slots)
-        self._holds = ffi.from_buffer("uint8_t[]", holds, require_writable=True)
         self.columns: npt.NDArray[np.void] = np.frombuffer(slots, dtype=SLOT_DTYPE, count=nslots)
         self.holders: npt.NDArray[np.uint64] = np.frombuffer(holds, dtype=HOLD_DTYPE, count=nslots)["holders"]
+        self._kernels: _CSlots | SingleWriterSlots = (
+            SingleWriterSlots(self.columns, self.holders) if single_writer else _CSlots(slots, holds, nslots))
 
     def publish(self, index: int, offset: int, nbytes: int, bit: int) -> int:
-        """A new object in free slot ``index``, held by ``bit``; its generation."""
+        """A new object in free slot ``index``, held by ``bit`` (a session's, or the proxy bit for
+        an object the daemon places); its generation."""
         self._require_writable("publish")
-        out = self._ffi.new("uint64_t[1]")
-        rc = self._lib.shmt_slot_publish(self._slots, self._holds, self.nslots, index, offset, nbytes, bit, out)
+        rc, generation = self._kernels.publish(index, offset, nbytes, bit)
         self._ok(rc, index)
-        return int(out[0])
+        return generation
 
     def commit(self, index: int, generation: int, bit: int, deadline_ns: int, hold: bool = False) -> None:
         """Seal the loan in slot ``index``: its hand-off window (or hold) ends at ``deadline_ns``."""
         self._require_writable("commit")
-        rc = self._lib.shmt_slot_commit(self._slots, self._holds, self.nslots, index, generation, bit, deadline_ns,
-                                        hold)
-        self._ok(rc, index)
+        self._ok(self._kernels.commit(index, generation, bit, deadline_ns, hold), index)
 
     def acquire(self, index: int, generation: int, offset: int, nbytes: int, bit: int) -> SlotStatus:
         """Hold the committed object ``generation`` of slot ``index`` with ``bit``, if it is still
         that object at that offset and size."""
-        rc = self._lib.shmt_slot_acquire(self._slots, self._holds, self.nslots, index, generation, offset, nbytes, bit)
-        return SlotStatus.OK if rc == 0 else self._status(rc)
+        return self._status(self._kernels.acquire(index, generation, offset, nbytes, bit))
 
     def acquire_wire(self, data: bytes, name: bytes, instance_id: bytes, arena_nbytes: int, bit: int,
                      out: object) -> SlotStatus | None:
@@ -130,41 +176,39 @@ class ObjectTable:
         ``handle_wire.new_out()``) in the same call, if it is an object of this table (segment
         ``name``, daemon ``instance_id``, inside the arena, dtype and shape making its size, no
         commit token); None when it is not one this call takes."""
-        rc = self._lib.shmt_wire_acquire(data, len(data), name, len(name), instance_id, len(instance_id), arena_nbytes,
-                                         self._slots, self._holds, self.nslots, bit, out)
-        return None if rc == self._lib.SHMT_WIRE_OTHER else self._status(rc)
+        kernels = self._kernels
+        if not isinstance(kernels, _CSlots):
+            return None  # a single-writer table is the daemon's: no client acquires in it
+        rc = kernels._lib.shmt_wire_acquire(data, len(data), name, len(name), instance_id, len(instance_id),
+                                            arena_nbytes, kernels.slots, kernels.holds, self.nslots, bit, out)
+        return None if rc == kernels._lib.SHMT_WIRE_OTHER else self._status(rc)
 
     def release(self, index: int, generation: int, bit: int, cancel_handoff: bool = False) -> int:
         """Drop ``bit``; the holders left (0: the object is dead, its slot and bytes reusable)."""
-        out = self._ffi.new("uint64_t[1]")
-        rc = self._lib.shmt_slot_release(self._slots, self._holds, self.nslots, index, generation, bit,
-                                         cancel_handoff, out)
+        rc, remaining = self._kernels.release(index, generation, bit, cancel_handoff)
         self._ok(rc, index)
-        return int(out[0])
+        return remaining
 
     def expire(self, index: int, now_ns: int) -> bool | None:
         """Drop an ended hand-off window's bit: True when that freed the object, False when others
         still hold it, None when there was nothing to expire."""
-        out = self._ffi.new("int32_t[1]")
-        rc = self._status(self._lib.shmt_slot_expire(self._slots, self._holds, self.nslots, index, now_ns, out))
-        return bool(out[0]) if rc is SlotStatus.OK else None
+        rc, freed = self._kernels.expire(index, now_ns)
+        return freed if self._status(rc) is SlotStatus.OK else None
 
     def clear_bit(self, bit: int, first: int = 0, last: int | None = None) -> tuple[int, int, int]:
         """Drop ``bit`` from slots [first, last): (slots it held, objects that died, their bytes)."""
-        out = self._ffi.new("uint64_t[3]")
         last = self.nslots if last is None else last
-        rc = self._lib.shmt_slots_clear_bit(self._slots, self._holds, self.nslots, first, last, bit, out, 3)
+        rc, held, died, died_nbytes = self._kernels.clear_bit(first, last, bit)
         if rc != 0:
             raise InvalidArgument(f"clear_bit({bit}, {first}, {last}) outside a table of {self.nslots} slots")
-        return int(out[0]), int(out[1]), int(out[2])
+        return held, died, died_nbytes
 
     def grant_cas(self, index: int, expected: int, desired: int) -> bool:
         """Swap slot ``index``'s grant state word from ``expected`` to ``desired``; whether it was
         ``expected``."""
         self._require_writable("grant_cas")
-        out = self._ffi.new("uint64_t[1]")
-        rc = self._status(self._lib.shmt_grant_cas(self._slots, self.nslots, index, expected, desired, out))
-        return rc is SlotStatus.OK
+        rc, _observed = self._kernels.grant_cas(index, expected, desired)
+        return self._status(rc) is SlotStatus.OK
 
     def set_grant_word(self, index: int, word: int) -> None:
         """Daemon: the word of a new grant, whatever its slots' last grant left there."""
@@ -175,7 +219,7 @@ class ObjectTable:
         """Drop this table's references to the mappings (so they can be unmapped); it has no slots left."""
         self.columns = np.empty(0, dtype=SLOT_DTYPE)
         self.holders = np.empty(0, dtype=np.uint64)
-        self._slots = self._holds = None
+        self._kernels = SingleWriterSlots(self.columns, self.holders)
         self._memory = (memoryview(b""), memoryview(bytearray()))
 
     def _require_writable(self, what: str) -> None:
