@@ -40,7 +40,7 @@ MAX_LOOP_GAP_S = ALLOC_WAIT_S / 5
 
 # Properties that hold whether objects live in the object table (the default where the C kernels
 # are) or go through the daemon's registry (a daemon without a table).
-ON_BOTH_PATHS = pytest.mark.parametrize("object_slots", [None, 0], ids=["default", "no_table"])
+ON_BOTH_PATHS = pytest.mark.parametrize("shared_table", [True, False], ids=["default", "no_table"])
 
 
 def run(coro):
@@ -147,8 +147,8 @@ def child_read_with_async_consumer(socket_path: str, blobs: list[bytes]) -> list
 
 # -- the sync semantics through await --------------------------------------------------------------
 @ON_BOTH_PATHS
-def test_put_acquire_verify_release_round_trip_under_a_running_loop(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+def test_put_acquire_verify_release_round_trip_under_a_running_loop(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
     data = np.random.default_rng(0).standard_normal((3, 64, 64), dtype=np.float32)
 
     async def main():
@@ -196,8 +196,8 @@ def test_loan_write_commit_and_acquire_many_round_trip(daemon):
 
 
 @ON_BOTH_PATHS
-def test_32_concurrent_tasks_on_one_producer_and_one_consumer_each_read_their_own_bytes(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+def test_32_concurrent_tasks_on_one_producer_and_one_consumer_each_read_their_own_bytes(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
 
     async def one(producer, consumer, i: int) -> bool:
         data = np.random.default_rng(i).integers(0, 2**31, size=1000 + 97 * i, dtype=np.int32)
@@ -299,8 +299,8 @@ def test_no_daemon_is_unavailable_at_connect_and_async_with_leaves_the_client_cl
 # -- the loop never blocks --------------------------------------------------------------------------
 @ON_BOTH_PATHS
 def test_a_loan_on_a_full_arena_waits_without_blocking_the_loop_then_raises_resource_exhausted(
-        make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+        make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=4 * MiB, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as hog:
         held = hog.put_many([np.zeros(MiB, dtype=np.uint8)] * 4)
         assert daemon.stat().free_nbytes == 0
@@ -323,8 +323,8 @@ def test_a_loan_on_a_full_arena_waits_without_blocking_the_loop_then_raises_reso
 
 
 @ON_BOTH_PATHS
-def test_a_loan_waiting_for_space_another_process_frees_succeeds_while_the_loop_runs(make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=MiB, object_slots=object_slots)
+def test_a_loan_waiting_for_space_another_process_frees_succeeds_while_the_loop_runs(make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=MiB, share_object_table=shared_table)
     with BlockingChild(hold_until_told, daemon.socket_path, MiB) as child:
         assert child.recv(30) == "full"
 
@@ -394,8 +394,8 @@ CANCELLED_CALLS = {  # gated sync method, how to start the call to cancel
 @ON_BOTH_PATHS
 @pytest.mark.parametrize("call", sorted(CANCELLED_CALLS))
 def test_a_call_cancelled_while_it_runs_releases_what_it_returns_afterwards(
-        make_daemon, monkeypatch, object_slots, call):
-    daemon = make_daemon(object_slots=object_slots)
+        make_daemon, monkeypatch, shared_table, call):
+    daemon = make_daemon(share_object_table=shared_table)
     (cls, method), start = CANCELLED_CALLS[call]
     gate = Gate(monkeypatch, cls, method)
 
@@ -446,8 +446,8 @@ def test_a_cancelled_call_still_waiting_for_a_worker_is_dropped_but_a_release_st
 
 
 @ON_BOTH_PATHS
-def test_cancelling_calls_at_every_stage_leaks_nothing(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+def test_cancelling_calls_at_every_stage_leaks_nothing(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
     data = np.arange(16 * KiB, dtype=np.uint8)
 
     async def main():
@@ -479,8 +479,8 @@ def test_cancelling_calls_at_every_stage_leaks_nothing(make_daemon, object_slots
 
 
 @ON_BOTH_PATHS
-def test_wait_for_gives_up_on_a_loan_waiting_for_space_at_once_and_the_space_comes_back(make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+def test_wait_for_gives_up_on_a_loan_waiting_for_space_at_once_and_the_space_comes_back(make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=4 * MiB, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as hog:
         held = hog.put_many([np.zeros(MiB, dtype=np.uint8)] * 4)
 

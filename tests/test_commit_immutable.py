@@ -26,7 +26,7 @@ NBYTES = 1 << 20
 
 @pytest.fixture(params=["table", "rpc"])
 def daemon(request, make_daemon):
-    return make_daemon() if request.param == "table" else make_daemon(object_slots=0)
+    return make_daemon() if request.param == "table" else make_daemon(share_object_table=False)
 
 
 def _write_after_commit(conn, socket_path: str, how: str) -> None:

@@ -38,11 +38,11 @@ assert SMALL * 4 < arena.PRIVATE_COPY_MAX_NBYTES <= LARGE * 4
 def placement(request, make_daemon):
     """(daemon, whether its objects start inside a page). ``unaligned``: the daemon's own allocator
     places every object on a 64-byte boundary only, so an object after a pad starts inside a page
-    (the window must cover the page range); that is the RPC path (``object_slots=0``), as in the
+    (the window must cover the page range); that is the RPC path (``share_object_table=False``), as in the
     object table producers place objects in their own grants. ``default``: the object table where
     there is one."""
     if request.param == "unaligned":
-        return make_daemon(page_align_min_nbytes=1 << 30, object_slots=0), True
+        return make_daemon(page_align_min_nbytes=1 << 30, share_object_table=False), True
     return make_daemon(), False
 
 
@@ -398,12 +398,12 @@ def test_map_dedicated_checks_name_link_owner_and_mode(tmp_path):
         os.unlink(path)
 
 
-@pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
-def test_a_loan_warns_when_dropped_uncommitted_not_after_its_handle_took_over(make_daemon, object_slots):
+@pytest.mark.parametrize("shared_table", [True, False], ids=["table", "rpc"])
+def test_a_loan_warns_when_dropped_uncommitted_not_after_its_handle_took_over(make_daemon, shared_table):
     import gc
     import warnings
 
-    daemon = make_daemon(object_slots=object_slots)
+    daemon = make_daemon(share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=30) as producer:
         loan = producer.loan(64)
         handle = loan.commit()
@@ -422,11 +422,11 @@ def test_a_loan_warns_when_dropped_uncommitted_not_after_its_handle_took_over(ma
                            what="the dropped loan given back")
 
 
-@pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
-def test_a_lease_dropped_unreleased_warns_then_is_released_once_no_view_of_it_is_left(make_daemon, object_slots):
+@pytest.mark.parametrize("shared_table", [True, False], ids=["table", "rpc"])
+def test_a_lease_dropped_unreleased_warns_then_is_released_once_no_view_of_it_is_left(make_daemon, shared_table):
     import gc
 
-    daemon = make_daemon(object_slots=object_slots)
+    daemon = make_daemon(share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
             Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
         first, second = producer.put_many([np.full(4096, 1, np.uint8), np.full(4096, 2, np.uint8)])

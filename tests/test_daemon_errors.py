@@ -3,7 +3,7 @@ daemon keeps serving everyone else (it never crashes and never hands out someone
 
 Each test runs on both object paths: a daemon with its default object table (under the C backend
 loans are placed in the producer's grants and leases taken in shared memory) and one without
-(``object_slots=0``: every object goes through the daemon's RPC registry). Tests whose subject is
+(``share_object_table=False``: every object goes through the daemon's RPC registry). Tests whose subject is
 the RPC registry itself run on that path only (``RPC_PATH``)."""
 from __future__ import annotations
 
@@ -45,21 +45,22 @@ def assert_still_serves(daemon) -> None:
         producer.release(handle, wait=True)
 
 
-@pytest.fixture(params=[None, 0], ids=["default_table", "no_table"])
-def object_slots(request):
-    """The daemon's object table: its default, or none (every object through the RPC registry)."""
+@pytest.fixture(params=[True, False], ids=["default_table", "no_table"])
+def shared_table(request):
+    """Whether the daemon hands its object table to clients (its default), or not (every object
+    through the daemon)."""
     return request.param
 
 
 # For tests of the daemon's RPC registry (Loan/Commit/Acquire/Release RPCs, lease ids and TTLs):
 # a daemon without an object table, so they test it under both backends.
-RPC_PATH = pytest.mark.parametrize("object_slots", [0], ids=["no_table"])
+RPC_PATH = pytest.mark.parametrize("shared_table", [False], ids=["no_table"])
 
 
 @pytest.fixture
-def served(make_daemon, object_slots):
+def served(make_daemon, shared_table):
     """The daemon, checked after the test to still serve a good request."""
-    daemon = make_daemon(object_slots=object_slots)
+    daemon = make_daemon(share_object_table=shared_table)
     yield daemon
     assert_still_serves(daemon)
 
@@ -321,8 +322,8 @@ def test_commit_of_another_clients_loan_is_refused_as_not_owner(served, producer
     del loan
 
 
-def test_acquire_of_an_uncommitted_loan_is_refused_as_wrong_state(make_daemon, object_slots):
-    daemon = make_daemon(commit_wait_s=0.1, object_slots=object_slots)
+def test_acquire_of_an_uncommitted_loan_is_refused_as_wrong_state(make_daemon, shared_table):
+    daemon = make_daemon(commit_wait_s=0.1, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
@@ -370,7 +371,7 @@ def test_a_refused_pipelined_commit_raises_no_later_than_the_producers_next_rele
 
 
 def test_a_forged_commit_token_is_refused_and_the_loan_stays_uncommitted(make_daemon):
-    daemon = make_daemon(commit_wait_s=0.1, object_slots=0)  # commit tokens are the RPC path's
+    daemon = make_daemon(commit_wait_s=0.1, share_object_table=False)  # commit tokens are the RPC path's
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:

@@ -26,7 +26,7 @@ HANDOFF_WINDOW_MS = 2_000  # long enough to see an object outlive its producer, 
 
 # Properties that hold whether objects live in the object table (the default where the C kernels
 # are) or go through the daemon's registry (a daemon without a table).
-ON_BOTH_PATHS = pytest.mark.parametrize("object_slots", [None, 0], ids=["default", "no_table"])
+ON_BOTH_PATHS = pytest.mark.parametrize("shared_table", [True, False], ids=["default", "no_table"])
 
 
 def wait_stat(daemon, predicate, timeout_s=5.0, what=""):
@@ -344,8 +344,8 @@ def test_zero_size_tensor_is_accepted_and_freed(daemon):
 
 # -- when bytes are freed ------------------------------------------------------------------------
 @ON_BOTH_PATHS
-def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
     arr = np.ones(100_000, dtype=np.uint8)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
@@ -377,7 +377,7 @@ def test_bytes_are_freed_only_when_the_producer_and_every_lease_released(make_da
 def test_an_expired_lease_of_a_live_client_is_quarantined_never_reused_until_released(make_daemon):
     """A lease past its TTL may still back a view: its bytes stay (reported), not reused under it.
     TTLs and quarantine apply to the leases the daemon holds: no object table (its leases have none)."""
-    daemon = make_daemon(arena_nbytes=256 * KiB, object_slots=0)
+    daemon = make_daemon(arena_nbytes=256 * KiB, share_object_table=False)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
@@ -412,7 +412,7 @@ def _hold_past_ttl(conn, socket_path, handle_bytes):
 
 
 def test_an_expired_lease_is_reclaimed_when_its_client_dies(make_daemon):
-    daemon = make_daemon(object_slots=0)  # TTLs apply to the leases the daemon holds: no object table
+    daemon = make_daemon(share_object_table=False)  # TTLs apply to the leases the daemon holds: no object table
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
         handle = producer.put(np.arange(4096, dtype=np.uint8))
         with BlockingChild(_hold_past_ttl, daemon.socket_path, handle.to_bytes()) as child:
@@ -425,8 +425,8 @@ def test_an_expired_lease_is_reclaimed_when_its_client_dies(make_daemon):
 
 
 @ON_BOTH_PATHS
-def test_hold_ms_keeps_a_committed_object_alive_after_producer_release_until_it_expires(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+def test_hold_ms_keeps_a_committed_object_alive_after_producer_release_until_it_expires(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
     arr = np.arange(5000, dtype=np.int32)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
@@ -446,8 +446,8 @@ def test_hold_ms_keeps_a_committed_object_alive_after_producer_release_until_it_
 
 # -- death of clients ----------------------------------------------------------------------------
 @ON_BOTH_PATHS
-def test_producer_killed_between_loan_and_commit_gets_its_loan_reclaimed(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+def test_producer_killed_between_loan_and_commit_gets_its_loan_reclaimed(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
     before = daemon.stat()
     with BlockingChild(child_loan_and_block, daemon.socket_path, 1 * MiB) as child:
         handle = Handle.from_bytes(child.recv(timeout_s=60))
@@ -464,8 +464,8 @@ def test_producer_killed_between_loan_and_commit_gets_its_loan_reclaimed(make_da
 
 
 @ON_BOTH_PATHS
-def test_producer_killed_after_commit_leaves_its_object_until_the_handoff_window_reclaims_it(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots, handoff_window_ms=HANDOFF_WINDOW_MS)
+def test_producer_killed_after_commit_leaves_its_object_until_the_handoff_window_reclaims_it(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table, handoff_window_ms=HANDOFF_WINDOW_MS)
     arr = np.arange(300_000, dtype=np.uint8)
     with BlockingChild(child_put_and_block, daemon.socket_path, arr) as child:
         child.recv(timeout_s=60)
@@ -483,8 +483,8 @@ def test_producer_killed_after_commit_leaves_its_object_until_the_handoff_window
 
 
 @ON_BOTH_PATHS
-def test_producer_death_does_not_pull_bytes_from_under_a_live_lease(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+def test_producer_death_does_not_pull_bytes_from_under_a_live_lease(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
     arr = np.random.default_rng(3).integers(0, 255, size=200_000, dtype=np.uint8)
     with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
         with BlockingChild(child_put_and_block, daemon.socket_path, arr) as child:
@@ -502,9 +502,9 @@ def test_producer_death_does_not_pull_bytes_from_under_a_live_lease(make_daemon,
 
 @ON_BOTH_PATHS
 def test_consumer_killed_while_holding_leases_gets_them_reclaimed_and_the_producer_reuses_the_bytes(
-    make_daemon, object_slots
+    make_daemon, shared_table
 ):
-    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+    daemon = make_daemon(arena_nbytes=4 * MiB, share_object_table=shared_table)
     arrays = [np.full(MiB, i, dtype=np.uint8) for i in range(4)]  # the whole arena
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
         handles = producer.put_many(arrays)
@@ -547,8 +547,8 @@ def test_eight_concurrent_client_processes_read_back_exactly_what_was_written(da
 
 # -- running out ---------------------------------------------------------------------------------
 @ON_BOTH_PATHS
-def test_full_arena_raises_arena_full_then_recovers_after_releases(make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=8 * MiB, object_slots=object_slots)
+def test_full_arena_raises_arena_full_then_recovers_after_releases(make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=8 * MiB, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as p1, Producer(
         daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0
     ) as p2:
@@ -576,8 +576,8 @@ def test_full_arena_raises_arena_full_then_recovers_after_releases(make_daemon, 
 
 
 @ON_BOTH_PATHS
-def test_loan_on_a_full_arena_waits_for_space_freed_by_another_client(make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+def test_loan_on_a_full_arena_waits_for_space_freed_by_another_client(make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=4 * MiB, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as hog, Producer(
         daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=5.0
     ) as patient:
@@ -596,10 +596,10 @@ def test_loan_on_a_full_arena_waits_for_space_freed_by_another_client(make_daemo
 
 
 @ON_BOTH_PATHS
-def test_a_producer_waiting_on_a_full_arena_gets_the_space_its_own_consumer_releases(make_daemon, object_slots):
+def test_a_producer_waiting_on_a_full_arena_gets_the_space_its_own_consumer_releases(make_daemon, shared_table):
     """Back-pressure with one producer. In the object table its consumer's release never reaches
     the daemon: the waiting producer must find the bytes in its own grants."""
-    daemon = make_daemon(arena_nbytes=256 * KiB, object_slots=object_slots)
+    daemon = make_daemon(arena_nbytes=256 * KiB, share_object_table=shared_table)
     size = 64 * KiB  # a standard grant of this arena: one object each, the grants fill the arena
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=5.0) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
@@ -622,10 +622,10 @@ def test_a_producer_waiting_on_a_full_arena_gets_the_space_its_own_consumer_rele
 
 
 @ON_BOTH_PATHS
-def test_the_byte_quota_belongs_to_the_tenant_so_more_sessions_do_not_evade_it(make_daemon, object_slots):
+def test_the_byte_quota_belongs_to_the_tenant_so_more_sessions_do_not_evade_it(make_daemon, shared_table):
     # 1 MiB objects are larger than this arena's standard grant: in the object table each gets a
     # grant of exactly its size, so two of them hold the quota on both paths.
-    daemon = make_daemon(arena_nbytes=8 * MiB, quota_nbytes=2 * MiB, object_slots=object_slots)
+    daemon = make_daemon(arena_nbytes=8 * MiB, quota_nbytes=2 * MiB, share_object_table=shared_table)
     producers = [Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) for _ in range(4)]
     try:
         a = producers[0].loan(MiB)
@@ -650,7 +650,7 @@ def test_the_byte_quota_belongs_to_the_tenant_so_more_sessions_do_not_evade_it(m
 
 
 def test_the_lease_quota_belongs_to_the_tenant_and_recovers(make_daemon):
-    daemon = make_daemon(quota_leases=2, object_slots=0)  # the quota bounds the leases the daemon holds
+    daemon = make_daemon(quota_leases=2, share_object_table=False)  # the quota bounds the leases the daemon holds
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as consumer, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as other:
@@ -780,7 +780,7 @@ def test_lease_object_outliving_its_consumer_does_not_leak_the_mapping(daemon):
 
 
 def test_acquires_waiting_for_a_missing_commit_do_not_stall_other_clients(make_daemon):
-    daemon = make_daemon(commit_wait_s=1.5, object_slots=0)  # in the table an Acquire never waits
+    daemon = make_daemon(commit_wait_s=1.5, share_object_table=False)  # in the table an Acquire never waits
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as waiting, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as other:
@@ -814,7 +814,7 @@ def test_a_commit_by_handoff_wakes_acquires_waiting_for_that_loan(make_daemon):
     """Our client commits by RPC now, but the daemon still accepts a loan's commit token from the
     wire (no object table: tokens are the registry's): an Acquire presenting it commits the loan
     and wakes the Acquires waiting for that commit."""
-    daemon = make_daemon(commit_wait_s=5.0, object_slots=0)
+    daemon = make_daemon(commit_wait_s=5.0, share_object_table=False)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         daemon.socket_path, timeout_s=TIMEOUT_S
     ) as waiting, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as holder:

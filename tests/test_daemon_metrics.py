@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from shmtransport import testing
+from shmtransport import objtable, testing
 from shmtransport.cli import build_parser
 from shmtransport.client import Consumer, Producer
 from shmtransport.daemon.metrics import metrics_address, start_metrics_server
@@ -76,14 +76,14 @@ def sock_dir():
     testing.remove_tree(path)
 
 
-@pytest.mark.parametrize("object_slots", [None, 0], ids=["default", "no_table"])
-def test_metrics_endpoint_reports_arena_objects_leases_and_reclaim_counters(make_daemon, object_slots):
+@pytest.mark.parametrize("shared_table", [True, False], ids=["default", "no_table"])
+def test_metrics_endpoint_reports_arena_objects_leases_and_reclaim_counters(make_daemon, shared_table):
     port = _free_port()
-    daemon = make_daemon(metrics_port=port, object_slots=object_slots, handoff_window_ms=1000)
+    daemon = make_daemon(metrics_port=port, share_object_table=shared_table, handoff_window_ms=1000)
     with Producer(daemon.socket_path, timeout_s=10) as producer, Consumer(daemon.socket_path, timeout_s=10) as consumer:
         handle = producer.put(np.arange(4096, dtype=np.uint8))
-        in_table = handle.shm.slot > 0
-        assert _scrape(port)["shmtransport_handoff_objects" + TENANT] == in_table  # nobody acquired it yet
+        in_table = shared_table and objtable.available()  # placed by the producer itself (else by the daemon)
+        assert _scrape(port)["shmtransport_handoff_objects" + TENANT] == 1  # nobody acquired it yet
         lease = consumer.acquire(handle)
         held = _scrape(port)
         assert held["shmtransport_arena_nbytes" + TENANT] == daemon.arena_info.nbytes
@@ -91,7 +91,7 @@ def test_metrics_endpoint_reports_arena_objects_leases_and_reclaim_counters(make
         assert held["shmtransport_live_leases" + TENANT] == 1
         assert held["shmtransport_used_nbytes" + TENANT] >= 4096
         assert held["shmtransport_allocations_total" + TENANT] >= 1
-        assert held["shmtransport_table_objects" + TENANT] == in_table
+        assert held["shmtransport_table_objects" + TENANT] == 1  # every object lives in the table
         assert held["shmtransport_handoff_objects" + TENANT] == 0  # the acquire took the hand-off over
         assert (held["shmtransport_granted_nbytes" + TENANT] >= 4096) == in_table
         # Per process, the leases the daemon holds: a lease in the table is the consumer's own bit.

@@ -35,18 +35,12 @@ def segments(prefix: str) -> list[str]:
 
 
 # Both paths: the object table (the default where the C kernels are) and the RPC registry alone.
-BOTH_PATHS = pytest.mark.parametrize("object_slots", [None, 0], ids=["table", "rpc"])
+BOTH_PATHS = pytest.mark.parametrize("shared_table", [True, False], ids=["table", "rpc"])
 
 
-def has_table(object_slots: int | None) -> bool:
-    """Whether a daemon started with ``object_slots`` keeps an object table (the CLI child runs
-    under this process's backend)."""
-    return objtable.available() and object_slots != 0
-
-
-def segment_kinds(object_slots: int | None) -> list[str]:
+def segment_kinds() -> list[str]:
     """The segments a one-tenant daemon keeps: its arena, and its object table's slots and holds."""
-    return ["arena", "holds", "objects"] if has_table(object_slots) else ["arena"]
+    return ["arena", "holds", "objects"]
 
 
 def kinds_of(names: list[str]) -> list[str]:
@@ -70,14 +64,14 @@ class CliDaemon:
     """One ``shmtransport daemon`` process; ready once it printed its ready line."""
 
     def __init__(self, socket_path: str, prefix: str, arena_nbytes: int = ARENA_NBYTES, log_dir: str = "/tmp",
-                 object_slots: int | None = None):
+                 share_object_table: bool = True):
         self.socket_path = socket_path
         self.prefix = prefix
         self.log_path = os.path.join(log_dir, f"daemon-{os.path.basename(socket_path)}-{id(self)}.log")
         self._log = open(self.log_path, "wb")
         args = ["--socket", socket_path, "--arena-size", str(arena_nbytes), "--name-prefix", prefix]
-        if object_slots is not None:
-            args += ["--object-slots", str(object_slots)]
+        if not share_object_table:
+            args.append("--no-shared-table")
         self.proc = subprocess.Popen(cli("daemon", *args), stdout=subprocess.PIPE, stderr=self._log)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "CliDaemon":
@@ -119,7 +113,7 @@ def tmpdir_short():
 
 @pytest.fixture
 def start_cli_daemon(tmpdir_short, new_prefix):
-    """Factory: ``start_cli_daemon(prefix=None, socket_name='d.sock', arena_nbytes=..., object_slots=None)``
+    """Factory: ``start_cli_daemon(prefix=None, socket_name='d.sock', arena_nbytes=..., share_object_table=True)``
     → a ready CliDaemon.
 
     Teardown SIGKILLs what still runs, then removes segments those prefixes left (crash tests leave
@@ -127,9 +121,10 @@ def start_cli_daemon(tmpdir_short, new_prefix):
     started: list[CliDaemon] = []
 
     def factory(prefix: str | None = None, socket_name: str = "d.sock", arena_nbytes: int = ARENA_NBYTES,
-                object_slots: int | None = None):
+                share_object_table: bool = True):
         daemon = CliDaemon(
-            os.path.join(tmpdir_short, socket_name), prefix or new_prefix(), arena_nbytes, tmpdir_short, object_slots
+            os.path.join(tmpdir_short, socket_name), prefix or new_prefix(), arena_nbytes, tmpdir_short,
+            share_object_table,
         )
         started.append(daemon)
         return daemon.wait_ready()
@@ -157,9 +152,9 @@ def call_until_connected(fn, attempts: int = 3):
 
 # -- signals -------------------------------------------------------------------------------------
 @BOTH_PATHS
-def test_sigterm_exits_zero_and_removes_socket_and_segments(start_cli_daemon, object_slots):
-    daemon = start_cli_daemon(object_slots=object_slots)
-    assert kinds_of(list(sealed_segments(daemon.proc.pid, daemon.prefix))) == segment_kinds(object_slots)
+def test_sigterm_exits_zero_and_removes_socket_and_segments(start_cli_daemon, shared_table):
+    daemon = start_cli_daemon(share_object_table=shared_table)
+    assert kinds_of(list(sealed_segments(daemon.proc.pid, daemon.prefix))) == segment_kinds()
     assert os.path.exists(daemon.socket_path) and os.path.exists(daemon.socket_path + ".session")
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:  # with a live client, too
         producer.put(np.arange(10))
@@ -175,7 +170,7 @@ def test_sigterm_exits_zero_and_removes_socket_and_segments(start_cli_daemon, ob
 def test_socket_and_segment_files_are_owner_only(start_cli_daemon):
     daemon = start_cli_daemon()
     sealed = sealed_segments(daemon.proc.pid, daemon.prefix)
-    assert kinds_of(list(sealed)) == segment_kinds(None)
+    assert kinds_of(list(sealed)) == segment_kinds()
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
         dedicated = producer.put(np.arange(10), dedicated=True)
         for path in (daemon.socket_path, daemon.socket_path + ".session", *sealed.values(),
@@ -191,11 +186,9 @@ def test_in_process_daemon_files_are_owner_only_whatever_the_umask(make_daemon):
         daemon = make_daemon()
     finally:
         os.umask(old)
-    assert kinds_of(daemon.segment_names) == segment_kinds(None)
-    segment_paths = [daemon.tenants[0].segment.open_path]
-    if daemon.tenants[0].objects is not None:
-        segment_paths += [daemon.tenants[0].objects.slots_segment.open_path,
-                          daemon.tenants[0].objects.holds_segment.open_path]
+    assert kinds_of(daemon.segment_names) == segment_kinds()
+    segment_paths = [daemon.tenants[0].segment.open_path, daemon.tenants[0].objects.slots_segment.open_path,
+                     daemon.tenants[0].objects.holds_segment.open_path]
     for path in (daemon.socket_path, daemon.socket_path + ".session", *segment_paths):
         mode = stat.S_IMODE(os.stat(path).st_mode)
         assert mode == 0o600, f"{path}: {oct(mode)}"
@@ -203,19 +196,19 @@ def test_in_process_daemon_files_are_owner_only_whatever_the_umask(make_daemon):
 
 # -- crash and restart ---------------------------------------------------------------------------
 @BOTH_PATHS
-def test_restart_after_sigkill_sweeps_what_the_dead_instance_left_by_name(start_cli_daemon, object_slots):
+def test_restart_after_sigkill_sweeps_what_the_dead_instance_left_by_name(start_cli_daemon, shared_table):
     """The arena and table go with the daemon's process (and its clients' mappings); only its
     dedicated segments have names, and the next daemon sweeps those."""
-    first = start_cli_daemon(object_slots=object_slots)
+    first = start_cli_daemon(share_object_table=shared_table)
     with Producer(first.socket_path, timeout_s=TIMEOUT_S) as producer:
         producer.put(np.arange(10), dedicated=True)
         dead = segments(first.prefix)
         assert len(dead) == 1 and "-obj" in dead[0]
         first.kill()  # SIGKILL: no chance to clean up
     assert segments(first.prefix) == dead
-    second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", object_slots=object_slots)
+    second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", share_object_table=shared_table)
     assert segments(second.prefix) == []
-    assert kinds_of(list(sealed_segments(second.proc.pid, second.prefix))) == segment_kinds(object_slots)
+    assert kinds_of(list(sealed_segments(second.proc.pid, second.prefix))) == segment_kinds()
     assert "swept 1 leftover segment" in second.log()
 
 
@@ -247,7 +240,8 @@ def _hold_handed_segments(conn, socket_path: str) -> None:
 def test_a_client_holding_a_dead_daemons_segments_leaves_nothing_by_name_and_blocks_no_restart(start_cli_daemon):
     first = start_cli_daemon()
     with BlockingChild(_hold_handed_segments, first.socket_path) as child:
-        assert child.recv(timeout_s=60) == len(segment_kinds(None))
+        # the arena, and where the table is shared (the C kernels), its two segments
+        assert child.recv(timeout_s=60) == (3 if objtable.available() else 1)
         first.kill()
         assert segments(first.prefix) == []  # nothing of the dead instance has a name to sweep
         child.send("read")
@@ -260,11 +254,11 @@ def test_a_client_holding_a_dead_daemons_segments_leaves_nothing_by_name_and_blo
 
 
 @BOTH_PATHS
-def test_startup_sweep_never_touches_a_live_daemons_segments(start_cli_daemon, object_slots):
-    first = start_cli_daemon(object_slots=object_slots)
+def test_startup_sweep_never_touches_a_live_daemons_segments(start_cli_daemon, shared_table):
+    first = start_cli_daemon(share_object_table=shared_table)
     with Producer(first.socket_path, timeout_s=TIMEOUT_S) as kept:
         dedicated = kept.put(np.arange(100), dedicated=True)
-        second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", object_slots=object_slots)  # live first
+        second = start_cli_daemon(prefix=first.prefix, socket_name="d2.sock", share_object_table=shared_table)
         assert segments(first.prefix) == [dedicated.shm.name]
         kept.release(dedicated, wait=True)
     for daemon in (first, second):  # and both serve
@@ -278,16 +272,16 @@ def test_startup_sweep_never_touches_a_live_daemons_segments(start_cli_daemon, o
 
 
 @BOTH_PATHS
-def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(start_cli_daemon, object_slots):
-    first = start_cli_daemon(object_slots=object_slots)
+def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(start_cli_daemon, shared_table):
+    first = start_cli_daemon(share_object_table=shared_table)
     with Producer(first.socket_path, timeout_s=TIMEOUT_S) as producer, Consumer(
         first.socket_path, timeout_s=TIMEOUT_S
     ) as consumer:
         handle = producer.put(np.arange(1000), digest=True)
-        assert bool(handle.shm.slot) == has_table(object_slots)
+        assert handle.shm.slot  # every object lives in the table
         old_instance = consumer.instance_id
         first.kill()
-        start_cli_daemon(prefix=first.prefix, object_slots=object_slots)  # same socket, same prefix: sweeps
+        start_cli_daemon(prefix=first.prefix, share_object_table=shared_table)  # same socket, same prefix: sweeps
         call_until_connected(consumer.stat)
         assert consumer.instance_id != old_instance
         with pytest.raises(Unavailable) as info:
@@ -309,15 +303,15 @@ def test_old_handles_are_refused_with_instance_mismatch_after_a_daemon_restart(s
 
 
 @BOTH_PATHS
-def test_a_producer_closes_cleanly_after_a_daemon_restart(start_cli_daemon, object_slots):
+def test_a_producer_closes_cleanly_after_a_daemon_restart(start_cli_daemon, shared_table):
     """Its first call after the restart is its close: what it held died with the old daemon, and
     nothing of it may be handed to the new one, where another producer may hold grants and
     objects of the same ids."""
-    first = start_cli_daemon(object_slots=object_slots)
+    first = start_cli_daemon(share_object_table=shared_table)
     stale = Producer(first.socket_path, timeout_s=TIMEOUT_S)
     stale.put(np.arange(1000))
     first.kill()
-    second = start_cli_daemon(prefix=first.prefix, object_slots=object_slots)
+    second = start_cli_daemon(prefix=first.prefix, share_object_table=shared_table)
     with Producer(second.socket_path, timeout_s=TIMEOUT_S) as producer:
         handle = producer.put(np.arange(1000))
         before = producer.stat()

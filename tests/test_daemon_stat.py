@@ -14,9 +14,12 @@ import time
 
 import pytest
 
+from shmtransport import objtable
 from shmtransport.allocator import Allocator
+from shmtransport.daemon.objects import ObjectBook
 from shmtransport.daemon.records import TenantLimits
 from shmtransport.daemon.registry import Registry
+from shmtransport.daemon.segments import Segment
 from shmtransport.errors import ShmTransportError
 from shmtransport.shm_names import new_instance_id
 from shmtransport.testing import unique_prefix
@@ -28,20 +31,25 @@ QUOTA_NBYTES = 96 * KiB  # small enough that random loans also hit the quota and
 STEPS = 400
 SESSIONS = 4
 MAX_TTL_MS = 2000
+NSLOTS = 1024
 
 
 class Walk:
     """One random sequence of operations on a registry, remembering every handle and lease it was
     given (stale ones too: reusing them exercises the refusals)."""
 
+    mapped: list[Walk] = []  # whose object tables the test's teardown unmaps
+
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
         instance = new_instance_id()
-        self.registry = Registry(
-            instance, f"{unique_prefix()}-{instance}-arena", Allocator(ARENA_NBYTES),
-            TenantLimits(quota_nbytes=QUOTA_NBYTES, quota_leases=64, default_lease_ttl_ms=MAX_TTL_MS,
-                   max_lease_ttl_ms=10 * MAX_TTL_MS, default_hold_ms=0),
-        )
+        limits = TenantLimits(quota_nbytes=QUOTA_NBYTES, quota_leases=64, default_lease_ttl_ms=MAX_TTL_MS,
+                              max_lease_ttl_ms=10 * MAX_TTL_MS, default_hold_ms=0)
+        table = [Segment.create_sealed(f"walk-{kind}", objtable.table_nbytes(NSLOTS)) for kind in ("slots", "holds")]
+        self.objects = ObjectBook(*table, NSLOTS, limits.handoff_window_ms, limits.max_hold_ms)
+        Walk.mapped.append(self)
+        self.registry = Registry(instance, f"{unique_prefix()}-{instance}-arena", Allocator(ARENA_NBYTES), limits,
+                                 self.objects)
         self.loans: list[tuple[str, pb.Handle, bytes]] = []  # (producer session, handle, commit token)
         self.leases: list[tuple[str, int]] = []  # (consumer session, lease id)
         self.sessions: list[str] = []
@@ -76,7 +84,7 @@ class Walk:
     def loan(self) -> None:
         session_id = self.rng.choice(self.sessions)
         sizes = [self.rng.randint(1, 16 * KiB) for _ in range(self.rng.randint(1, 3))]
-        if self.rng.random() < 0.1:
+        if self.rng.random() < 0.15:
             response = self.registry.loan_dedicated(session_id, sizes)
         else:
             response = self.registry.loan(session_id, sizes)
@@ -131,6 +139,18 @@ class Walk:
         self.sessions.clear()
         self.registry.expire(now=time.monotonic() + 100 * MAX_TTL_MS / 1000)
         self.registry.unlink_dedicated()  # only reached with a leak, which the caller then reports
+
+    def unmap(self) -> None:
+        self.objects.close()
+        self.objects.slots_segment.unlink()
+        self.objects.holds_segment.unlink()
+
+
+@pytest.fixture(autouse=True)
+def _unmap_walks():
+    yield
+    while Walk.mapped:
+        Walk.mapped.pop().unmap()
 
 
 def recounted_nbytes(listing: pb.ListResponse) -> dict[str, tuple[int, int]]:

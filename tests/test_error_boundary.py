@@ -328,7 +328,7 @@ def test_the_daemon_refuses_an_unknown_session_token_with_its_reason(daemon):
 
 
 def test_a_session_the_daemon_no_longer_knows_makes_the_next_call_reconnect(make_daemon):
-    daemon = make_daemon(object_slots=0)  # every put is a Loan RPC, nothing in shared memory alone
+    daemon = make_daemon(share_object_table=False)  # every put is a Loan RPC, nothing in shared memory alone
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
         first = producer.session_id
         daemon.registry.close_session(first)  # the daemon forgets it while its socket is still open

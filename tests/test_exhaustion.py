@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from chaos import DaemonProcess, shm_segments
 
-from shmtransport import testing
+from shmtransport import objtable, testing
 from shmtransport.client import Consumer, Producer
 from shmtransport.errors import Reason, ResourceExhausted, ShmTransportError
 from shmtransport.testing import BlockingChild, hold_until_told, run_in_child, start_children, wait_until
@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Properties that hold whether objects live in the object table (the default where the C kernels
 # are) or go through the daemon's registry (a daemon without a table).
-ON_BOTH_PATHS = pytest.mark.parametrize("object_slots", [None, 0], ids=["default", "no_table"])
+ON_BOTH_PATHS = pytest.mark.parametrize("shared_table", [True, False], ids=["default", "no_table"])
 
 
 def _can_unshare_mount() -> bool:
@@ -208,8 +208,8 @@ def test_a_full_arena_under_concurrent_producers_gives_arena_full_or_back_pressu
 
 
 @ON_BOTH_PATHS
-def test_a_loan_waits_for_space_freed_by_another_process_back_pressure_not_failure(make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=MiB, object_slots=object_slots)
+def test_a_loan_waits_for_space_freed_by_another_process_back_pressure_not_failure(make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=MiB, share_object_table=shared_table)
     with BlockingChild(hold_until_told, daemon.socket_path, MiB) as child:
         assert child.recv(30) == "full"
         with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as fast:
@@ -231,8 +231,8 @@ def test_a_loan_waits_for_space_freed_by_another_process_back_pressure_not_failu
 
 
 @ON_BOTH_PATHS
-def test_a_single_producer_that_filled_the_arena_waits_for_its_own_releases(make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+def test_a_single_producer_that_filled_the_arena_waits_for_its_own_releases(make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=4 * MiB, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
         handles = []
         with pytest.raises(ResourceExhausted):
@@ -255,8 +255,8 @@ def test_a_single_producer_that_filled_the_arena_waits_for_its_own_releases(make
 @ON_BOTH_PATHS
 @pytest.mark.parametrize("dedicated", [False, True], ids=["arena", "dedicated"])
 def test_an_object_larger_than_the_arena_is_refused_at_once_naming_the_arena_not_a_quota(
-        make_daemon, object_slots, dedicated):
-    daemon = make_daemon(arena_nbytes=4 * MiB, object_slots=object_slots)
+        make_daemon, shared_table, dedicated):
+    daemon = make_daemon(arena_nbytes=4 * MiB, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=5) as producer:
         start = time.monotonic()
         with pytest.raises(ResourceExhausted) as info:
@@ -269,8 +269,8 @@ def test_an_object_larger_than_the_arena_is_refused_at_once_naming_the_arena_not
 
 
 @ON_BOTH_PATHS
-def test_a_configured_quota_is_named_as_the_quota(make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=4 * MiB, quota_nbytes=2 * MiB, object_slots=object_slots)
+def test_a_configured_quota_is_named_as_the_quota(make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=4 * MiB, quota_nbytes=2 * MiB, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
         with pytest.raises(ResourceExhausted) as info:
             producer.put(np.zeros(3 * MiB, np.uint8))
@@ -280,12 +280,12 @@ def test_a_configured_quota_is_named_as_the_quota(make_daemon, object_slots):
 
 
 @ON_BOTH_PATHS
-def test_the_tenant_byte_quota_refuses_every_client_of_the_tenant_and_recovers(make_daemon, object_slots):
-    daemon = make_daemon(arena_nbytes=4 * MiB, quota_nbytes=MiB, object_slots=object_slots)
+def test_the_tenant_byte_quota_refuses_every_client_of_the_tenant_and_recovers(make_daemon, shared_table):
+    daemon = make_daemon(arena_nbytes=4 * MiB, quota_nbytes=MiB, share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as a, \
             Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as b:
         h = a.put(np.zeros(MiB, np.uint8))
-        in_table = h.shm.slot > 0
+        in_table = shared_table and objtable.available()  # a placed it in its own grant
         for client in (a, b):  # a second session does not bring a second quota
             with pytest.raises(ResourceExhausted) as info:
                 client.loan(1)
@@ -414,7 +414,7 @@ def test_100k_live_leases_in_batches_stay_bounded_in_daemon_rss_and_all_release(
     prefix = testing.unique_prefix()
     # The leases the daemon holds itself (no object table: there a client's leases share its bit).
     d = DaemonProcess(os.path.join(tmp, "d.sock"), prefix, "4M", 600_000, os.path.join(tmp, "log"),
-                      extra_args=("--quota-leases", "100000", "--object-slots", "0"))
+                      extra_args=("--quota-leases", "100000", "--no-shared-table"))
     d.start()
     try:
         d.wait_ready()
@@ -446,7 +446,7 @@ def test_100k_live_leases_in_batches_stay_bounded_in_daemon_rss_and_all_release(
 
 
 def test_release_of_more_leases_than_one_batch_releases_them_all(make_daemon):
-    daemon = make_daemon(arena_nbytes=MiB, object_slots=0)  # batches of Release RPCs (no object table)
+    daemon = make_daemon(arena_nbytes=MiB, share_object_table=False)  # batches of Release RPCs (no object table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, \
             Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         h = p.put(np.arange(16, dtype=np.uint8))

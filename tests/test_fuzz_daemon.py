@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from shmtransport.client import Consumer, Handle, Producer
 from shmtransport.errors import REASON_KEY, Reason, ShmTransportError, status_for
-from shmtransport.objtable import COMMITTED, HELD, LOANED
+from shmtransport.objtable import COMMITTED, HELD, LOANED, OUTSIDE_ARENA, PROXY_BIT
 from shmtransport.v1 import daemon_pb2 as pb
 from shmtransport.wire import GRPC_OPTIONS, SESSION_METADATA_KEY, frame_payload, framed
 
@@ -118,17 +118,15 @@ def check_answer(daemon, method: str, payload: bytes, code, details: tuple[str, 
     elif method == "Acquire":
         assert len(response.lease_ids) == len(request.handles)
         for h in request.handles:
-            if h.slot:  # held with the daemon's proxy bit: the slot holds exactly this object
-                slot = registry.objects.table.columns[h.slot - 1].copy()  # no view of the mapping left behind
-                holders = int(registry.objects.table.holders[h.slot - 1])
-                assert (slot["generation"], slot["offset"], slot["nbytes"]) == (h.generation, h.offset, h.nbytes), h
-                assert slot["state"] in (COMMITTED, HELD) and holders != 0
-                assert h.name == daemon.segment_names[0] and h.offset + h.nbytes <= ARENA
-                continue
-            obj = arena_objects(daemon).get(h.offset)
-            assert obj is not None and obj.generation == h.generation and obj.nbytes == h.nbytes, h
-            assert obj.state in ("committed", "held")
-            assert h.offset + h.nbytes <= ARENA
+            # Held with the daemon's proxy bit: the slot holds exactly this object.
+            slot = registry.objects.table.columns[h.slot - 1].copy()  # no view of the mapping left behind
+            holders = int(registry.objects.table.holders[h.slot - 1])
+            assert (slot["generation"], slot["nbytes"]) == (h.generation, h.nbytes), h
+            assert slot["state"] in (COMMITTED, HELD) and holders >> PROXY_BIT & 1
+            if h.name == daemon.segment_names[0]:
+                assert slot["offset"] == h.offset and h.offset + h.nbytes <= ARENA, h
+            else:  # a dedicated segment's
+                assert slot["offset"] == OUTSIDE_ARENA and h.offset == 0, h
     return "ok"
 
 
@@ -167,26 +165,19 @@ def fuzz_daemon(make_daemon):
 
 def assert_untouched(daemon, loan: pb.Handle, committed: pb.Handle, owner_bit: int | None) -> None:
     """The victim's loan is still its uncommitted loan, and its committed object still holds its
-    producer reference (in the RPC registry, or its bit in the object table)."""
-    if loan.slot:
-        table = daemon.registry.objects.table.columns.copy()  # no view of the mapping left behind
-        holders = daemon.registry.objects.table.holders.copy()
-        for h in (loan, committed):
-            slot = table[h.slot - 1]
-            assert slot["generation"] == h.generation, f"victim's object in slot {h.slot} was freed"
-            assert int(holders[h.slot - 1]) >> owner_bit & 1, f"victim's reference in slot {h.slot} was released"
-        assert table[loan.slot - 1]["state"] == LOANED, "victim's loan was committed by someone else"
-        return
-    objs = arena_objects(daemon)
-    assert loan.offset in objs and objs[loan.offset].generation == loan.generation, "victim's loan was freed"
-    assert objs[loan.offset].state == "loaned", "victim's loan was committed by someone else"
-    assert objs[committed.offset].producer_held, "victim's producer reference was released by someone else"
-
-
-def arena_objects(daemon) -> dict[int, pb.ObjectInfo]:
-    """The RPC registry's live arena objects by offset, as List reports them."""
-    listing = daemon.registry.list_objects()
-    return {obj.offset: obj for obj in listing.objects if not obj.slot and not obj.segment_name}
+    producer reference: its bit in the object table, or (``owner_bit`` None: objects the daemon
+    placed for it) the daemon's proxy bit and the daemon's record of that reference."""
+    table = daemon.registry.objects.table.columns.copy()  # no view of the mapping left behind
+    holders = daemon.registry.objects.table.holders.copy()
+    bit = PROXY_BIT if owner_bit is None else owner_bit
+    for h in (loan, committed):
+        slot = table[h.slot - 1]
+        assert slot["generation"] == h.generation, f"victim's object in slot {h.slot} was freed"
+        assert int(holders[h.slot - 1]) >> bit & 1, f"victim's reference in slot {h.slot} was released"
+    assert table[loan.slot - 1]["state"] == LOANED, "victim's loan was committed by someone else"
+    if owner_bit is None:
+        listed = {obj.slot: obj for obj in daemon.registry.list_objects().objects}
+        assert listed[committed.slot].producer_held, "victim's producer reference was released by someone else"
 
 
 @dataclasses.dataclass

@@ -4,7 +4,6 @@ space the others wait for. (Grants need the C kernels; without them loans go thr
 """
 from __future__ import annotations
 
-import gc
 import mmap
 import os
 import socket
@@ -16,6 +15,7 @@ import pytest
 
 from shmtransport import objtable
 from shmtransport.client import Producer
+from shmtransport.errors import Reason, ResourceExhausted
 from shmtransport.objtable import GRANT_ACTIVE, GRANT_PARKED, GRANT_TAKEN, ObjectTable, grant_word
 from shmtransport.testing import wait_until
 
@@ -89,51 +89,44 @@ def test_a_parked_grant_goes_back_at_close_and_the_arena_is_whole_again(make_dae
     assert (s.granted_nbytes, s.parked_nbytes, s.free_nbytes) == (0, 0, s.arena.nbytes)
 
 
-def test_objects_past_a_full_table_go_through_the_daemon_with_the_same_semantics(make_daemon):
-    """64 slots (the smallest table) and more live objects than that: the rest are loaned through
-    the daemon, and every one of them reads back, hands off and is reclaimed alike."""
-    from shmtransport.client import Consumer
-
+def test_a_full_table_is_back_pressure_then_a_typed_error(make_daemon):
+    """64 slots (the smallest table) bound the tenant's live objects: with every slot holding
+    one, a put waits for a slot (another producer's objects dying) instead of failing, and one
+    that cannot wait is refused with TABLE_FULL."""
     daemon = make_daemon(arena_nbytes=16 * MiB, object_slots=64)
-    # With the collector off, a reference cycle through a refused grant's traceback would keep the
-    # fallback loan's arena views alive past close: the leak check then fails at once.
-    gc.disable()
-    try:
-        _past_a_full_table(daemon, Consumer)
-    finally:
-        gc.enable()
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as first, \
+            Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as impatient, \
+            Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=TIMEOUT_S) as patient:
+        handles = [first.put(np.full(4096, i, np.uint8)) for i in range(64)]
+        assert daemon.stat().live_objects == 64
+        with pytest.raises(ResourceExhausted) as refused:
+            impatient.put(np.zeros(4096, np.uint8))
+        assert refused.value.reason is Reason.TABLE_FULL
+        waited: list[object] = []
+        putter = threading.Thread(target=lambda: waited.append(patient.put(np.full(4096, 7, np.uint8))))
+        putter.start()
+        wait_until(lambda: daemon.stat().waiting_calls >= 1, what="the put waiting for a slot")
+        assert not waited
+        first.release(handles, wait=True)
+        first.close()  # its grant goes back once its objects are dead
+        putter.join(TIMEOUT_S)
+        assert len(waited) == 1
+        patient.release(waited[0], wait=True)
     wait_until(lambda: daemon.stat().live_objects == 0, what="every object freed")
-
-
-def _past_a_full_table(daemon, Consumer) -> None:
-    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
-            Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer:
-        handles = [producer.put(np.full(4096, i % 251, np.uint8)) for i in range(100)]
-        in_table = sum(1 for h in handles if h.shm.slot)
-        assert 0 < in_table <= 64 and len(handles) - in_table >= 36
-        leases = consumer.acquire_many(handles)
-        assert all(int(lease.array[0]) == i % 251 for i, lease in enumerate(leases))
-        assert daemon.stat().live_objects == 100 and daemon.stat().allocation_failures == 0
-        consumer.release(leases, wait=True)
-        del leases
-        for h in handles:
-            producer.release(h)
 
 
 def test_many_tiny_objects_get_denser_grants_instead_of_filling_the_arena_with_empty_ones(make_daemon):
     """A grant first carries one slot per 4 KiB; 64-byte objects would leave its bytes idle and fill
-    the arena with grants. Denser grants, then loans through the daemon once the table is full,
-    hold more tiny objects than the table has slots."""
+    the arena with grants. Denser grants hold as many tiny objects as the table has slots."""
     daemon = make_daemon(arena_nbytes=64 * MiB)
-    count = 20_000
+    count = 16_000  # of the table's 16,384 slots
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as producer:
         handles = []
-        for start in range(0, count, 4096):
+        for start in range(0, count, 4000):
             handles += producer.put_many([np.full(64, i % 251, np.uint8)
-                                          for i in range(start, min(count, start + 4096))])
+                                          for i in range(start, min(count, start + 4000))])
         s = daemon.stat()
-        assert s.live_objects == count and s.allocation_failures == 0
-        assert 0 < s.table_objects < count  # the table's share, the rest kept by the daemon
+        assert s.live_objects == s.table_objects == count and s.allocation_failures == 0
         assert s.granted_nbytes < 16 * MiB  # dense grants: most of the arena was never granted
         producer.release(handles)
     wait_until(lambda: daemon.stat().live_objects == 0, what="every object freed")

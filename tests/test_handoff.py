@@ -220,3 +220,38 @@ def test_a_pure_python_consumer_acquires_table_objects_through_the_daemons_proxy
         assert np.array_equal(got, data) and after == 0
         producer.release(handle)
     assert daemon.stat().live_objects == 0
+
+
+def _put_in_pure_python(conn, socket_path, data):
+    """A producer without the C kernels: its object is one the daemon places (proxy bit)."""
+    from shmtransport import BACKEND
+
+    with Producer(socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(data)
+        producer.stat()  # its Commit has landed (a consumer would otherwise ask the daemon, which waits for it)
+        conn.send((BACKEND, handle.to_bytes()))
+        assert conn.recv() == "release"  # the consumer holds it now
+        producer.release(handle, wait=True)
+    return "closed"
+
+
+@pytest.mark.skipif(not objtable.available(), reason="needs a consumer with the C kernels")
+def test_a_table_consumer_holds_an_object_the_daemon_placed_for_a_pure_python_producer(daemon, monkeypatch):
+    """One path: the daemon placed the object in the table for a client without the C kernels, so
+    a consumer with them acquires it there with its own bit, and the object outlives its
+    producer's release until that bit goes; then the janitor gives its slot and bytes back."""
+    data = np.arange(5000, dtype=np.uint8)
+    monkeypatch.setenv("SHMTRANSPORT_BACKEND", "python")  # the spawned child's backend
+    with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as consumer, \
+            BlockingChild(_put_in_pure_python, daemon.socket_path, data) as child:
+        backend, wire = child.recv(timeout_s=TIMEOUT_S)
+        assert backend == "python"
+        lease = consumer.acquire_bytes(wire)
+        assert lease.lease_id == 0 and lease.handle.shm.slot  # held with this consumer's bit, no RPC
+        assert np.array_equal(lease.array, data)
+        assert child.finish("release", timeout_s=TIMEOUT_S) == "closed"
+        stat = daemon.stat()
+        assert stat.live_objects == 1 and stat.live_leases == 1  # the producer's reference is gone
+        lease.release()
+        wait_until(lambda: daemon.stat().live_objects == 0, what="the janitor to reclaim the dead object")
+        assert daemon.stat().used_nbytes == 0

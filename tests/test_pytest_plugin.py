@@ -11,7 +11,7 @@ import secrets
 import numpy as np
 import pytest
 
-from shmtransport import objtable, pytest_plugin
+from shmtransport import pytest_plugin
 from shmtransport.testing import SHM_DIR, remove_tree
 
 pytest_plugins = ["pytester"]
@@ -301,7 +301,7 @@ def test_keep_on_failure_leaves_the_failed_tests_daemon_segments_and_prints_wher
         # Copies of its arena and object table (memfds, gone with the process) beside its socket;
         # the object the test put is in the arena's.
         kinds = {os.path.basename(path).rsplit("-", 1)[1]: path for path in segments}
-        assert sorted(kinds) == (["arena", "holds", "objects"] if objtable.available() else ["arena"]), out
+        assert sorted(kinds) == ["arena", "holds", "objects"], out
         assert {os.path.dirname(path) for path in segments} == {os.path.dirname(sockets[0])}, out
         assert os.path.getsize(kinds["arena"]) == 64 << 20
         with open(kinds["arena"], "rb") as arena:

@@ -10,7 +10,7 @@ per-slot generation are as guessable): within a tenant processes cooperate (docs
 Commit tokens of the RPC path *are* secrets.
 
 The handle tests run on both object paths: the daemon's default object table and none
-(``object_slots=0``, every object through the RPC registry).
+(``share_object_table=False``, every object through the RPC registry).
 """
 from __future__ import annotations
 
@@ -131,8 +131,7 @@ def test_a_socket_group_daemon_lets_the_group_reach_the_handshake_but_the_uid_al
 
 def test_segment_files_and_sockets_are_0600_and_owned_by_the_daemon_user(daemon):
     paths = [tenant.segment.open_path for tenant in daemon.tenants]
-    paths += [s.open_path for t in daemon.tenants if t.objects is not None
-              for s in (t.objects.slots_segment, t.objects.holds_segment)]
+    paths += [s.open_path for t in daemon.tenants for s in (t.objects.slots_segment, t.objects.holds_segment)]
     for path in paths:  # sealed memfds, reached through the daemon's fds
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
@@ -142,7 +141,7 @@ def test_segment_files_and_sockets_are_0600_and_owned_by_the_daemon_user(daemon)
 
 
 ARRAY = np.arange(1024, dtype=np.float32)
-BOTH_PATHS = pytest.mark.parametrize("object_slots", [None, 0], ids=["default_table", "no_table"])
+BOTH_PATHS = pytest.mark.parametrize("shared_table", [True, False], ids=["default_table", "no_table"])
 
 
 def _forge(h: Handle, **fields) -> Handle:
@@ -183,15 +182,13 @@ def _forger(socket_path: str, seen: bytes) -> dict:
 
 
 @BOTH_PATHS
-def test_a_handle_forged_by_another_process_for_bytes_it_was_not_given_is_refused(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+def test_a_handle_forged_by_another_process_for_bytes_it_was_not_given_is_refused(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p:
         shared = p.put(np.zeros(1024, np.float32), digest=True)  # the forger was given this one
         secret = p.put(ARRAY, digest=True)  # ... not this one: next offset, next generation or slot
-        if shared.shm.slot:  # an object-table generation counts the objects of one slot
-            assert (secret.shm.slot, secret.shm.generation) == (shared.shm.slot + 1, shared.shm.generation)
-        else:
-            assert secret.shm.generation == shared.shm.generation + 1
+        # a generation counts the objects of one slot
+        assert (secret.shm.slot, secret.shm.generation) == (shared.shm.slot + 1, shared.shm.generation)
         out = run_in_child(_forger, daemon.socket_path, shared.to_bytes(), timeout_s=60)
         # next_generation_same_offset, next_slot_same_offset and shifted_offset name the secret only
         # partly (wrong offset, slot or generation): refused. None of the guesses returned bytes.
@@ -207,11 +204,11 @@ def test_a_handle_forged_by_another_process_for_bytes_it_was_not_given_is_refuse
 
 @BOTH_PATHS
 def test_current_model_a_same_uid_client_holding_all_fields_of_a_valid_handle_may_acquire_it(make_daemon,
-                                                                                              object_slots):
+                                                                                              shared_table):
     """Handles are capabilities: the daemon (or the object table) checks instance, name, slot,
     offset, size and generation, not who received the handle. (Generations are sequential and
     slots handed out in order: a same-uid client can guess them.)"""
-    daemon = make_daemon(object_slots=object_slots)
+    daemon = make_daemon(share_object_table=shared_table)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         h = p.put(ARRAY, digest=True)
         guessed = Handle(pb.Handle(name=h.shm.name, offset=h.shm.offset, nbytes=h.shm.nbytes, slot=h.shm.slot,
@@ -224,14 +221,14 @@ def test_current_model_a_same_uid_client_holding_all_fields_of_a_valid_handle_ma
 
 
 @BOTH_PATHS
-def test_a_loan_cannot_be_committed_by_another_client_without_its_secret_commit_token(make_daemon, object_slots):
-    daemon = make_daemon(commit_wait_s=0.1, object_slots=object_slots)  # an Acquire of a loan waits this long
+def test_a_loan_cannot_be_committed_by_another_client_without_its_secret_commit_token(make_daemon, shared_table):
+    daemon = make_daemon(commit_wait_s=0.1, share_object_table=shared_table)  # an Acquire of a loan waits this long
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as p, Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as c:
         loan = p.loan(64)
         h = Handle(loan.handle.shm, "uint8", (64,), commit_token=os.urandom(16))
-        # The daemon refuses a wrong token; an object-table loan commits only in its producer's
-        # shared memory, so a token means nothing to it and the loan stays a loan.
-        with pytest.raises(StateError if loan.handle.shm.slot else HandleError):
+        # The daemon refuses a wrong token; a loan its producer placed itself commits only in that
+        # producer's shared memory, so a token means nothing to it and the loan stays a loan.
+        with pytest.raises(StateError if loan._placed is not None else HandleError):
             c.acquire(h)
         with pytest.raises(Exception) as info:  # without a token: not committed
             c.acquire(Handle(loan.handle.shm, "uint8", (64,)))

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import socket
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmtransport import Consumer, Producer
+from shmtransport import Consumer, Producer, objtable
 from shmtransport.daemon.sessions import MAX_HANDSHAKE_NBYTES
 from shmtransport.errors import Reason, ResourceExhausted
 from shmtransport.v1 import daemon_pb2 as pb
@@ -27,7 +28,7 @@ def _handshake(socket_path: str, sent: bytes) -> tuple[pb.SessionReply | None, l
         sock.sendall(sent)
         data, fds = b"", []
         while (payload := frame_payload(data, 65536)) is None:
-            chunk, new_fds, _, _ = socket.recv_fds(sock, 65536, 2)
+            chunk, new_fds, _, _ = socket.recv_fds(sock, 65536, 3)
             fds += new_fds
             if not chunk:
                 return None, fds
@@ -49,11 +50,36 @@ def test_a_valid_request_gets_a_hello_that_names_this_daemon_and_the_arena_fd(da
         assert (hello.instance_id, hello.segment_name, hello.arena_nbytes) == \
             (info.instance_id, info.segment_name, info.nbytes)
         assert hello.pid == os.getpid() and hello.token and hello.session_id
-        assert len(fds) == (2 if hello.HasField("object_table") else 1)
+        assert len(fds) == (3 if hello.HasField("object_table") else 1)
         assert os.fstat(fds[0]).st_size == hello.arena_nbytes
     finally:
         for fd in fds:
             os.close(fd)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "not_shared"])
+def test_the_table_and_a_holder_bit_are_handed_out_only_where_clients_share_the_table(make_daemon, shared):
+    """Every object lives in the table; clients get it (and a bit) only where it is shared, which
+    needs the C kernels in the daemon. Otherwise the daemon keeps it to itself, changes it under
+    its lock with the pure-Python kernels when it has no C kernels, and places every object."""
+    daemon = make_daemon(share_object_table=shared)
+    handed = shared and objtable.available()
+    reply, fds = _handshake(daemon.socket_path, _request(pb.SESSION_ACCESS_READ_WRITE))
+    try:
+        hello = reply.hello
+        assert hello.HasField("object_table") == hello.HasField("holder_bit") == handed
+        assert len(fds) == (3 if handed else 1)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert daemon.registry.objects.table.single_writer == (not objtable.available())
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.arange(100, dtype=np.uint8))
+        assert handle.shm.slot and daemon.stat().table_objects == 1
+        owner = int(daemon.registry.objects.table.columns["owner"][handle.shm.slot - 1])
+        assert (owner == objtable.PROXY_BIT) == (not handed)  # placed by the daemon, or by the producer
+        producer.release(handle, wait=True)
+    assert daemon.stat().live_objects == 0
 
 
 @pytest.mark.parametrize("sent", [

@@ -330,12 +330,11 @@ def test_a_second_uid_is_its_own_tenant_and_cannot_read_acquire_or_see_the_other
         secret = producer.put(np.full(MiB, 0xAB, dtype=np.uint8), digest=True)
         scratch = producer.put(np.full(MiB, 0xAB, dtype=np.uint8))
         producer.release(scratch, wait=True)  # freed bytes of root's tenant, not scrubbed
-        # Under the C backend the secret lives in root's object table: a segment of its own, like the arena.
-        assert bool(secret.shm.slot) == objtable.available()
+        # The secret lives in root's object table: a segment of its own, like the arena.
+        assert secret.shm.slot
         root = daemon.tenants[0]  # sealed memfds: reachable only through the daemon's fds
-        root_segments = [root.segment.open_path]
-        if root.objects is not None:
-            root_segments += [root.objects.slots_segment.open_path, root.objects.holds_segment.open_path]
+        root_segments = [root.segment.open_path, root.objects.slots_segment.open_path,
+                         root.objects.holds_segment.open_path]
         with BlockingChild(_tenant_nobody, daemon.socket_path, secret.to_bytes(), root_segments) as child:
             out = child.recv()
             child.send("exit")
@@ -709,7 +708,7 @@ def test_requests_over_the_size_and_count_limits_are_refused_without_expansion(d
 
 def test_a_commit_wakes_only_the_acquires_waiting_for_its_objects(make_daemon):
     # Acquires waiting for a commit are the RPC registry's (in the object table nobody waits).
-    daemon = make_daemon(commit_wait_s=5.0, arena_nbytes=16 * MiB, object_slots=0)
+    daemon = make_daemon(commit_wait_s=5.0, arena_nbytes=16 * MiB, share_object_table=False)
     registry = daemon.registry
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer, \
             Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as waiter, \
@@ -760,9 +759,9 @@ def _count_calls(obj, name):
 
 # The RPC path only: the undo relies on gRPC having seen the caller's deadline when the handler
 # ends, which it does not always do in time (a grant left so is freed with its session).
-@pytest.mark.parametrize("object_slots", [0], ids=["no_table"])
-def test_a_loan_whose_caller_gave_up_while_the_daemon_was_busy_is_undone(make_daemon, object_slots):
-    daemon = make_daemon(object_slots=object_slots)
+@pytest.mark.parametrize("shared_table", [False], ids=["no_table"])
+def test_a_loan_whose_caller_gave_up_while_the_daemon_was_busy_is_undone(make_daemon, shared_table):
+    daemon = make_daemon(share_object_table=shared_table)
     registry = daemon.registry
     with Producer(daemon.socket_path, timeout_s=0.3, alloc_wait_s=0) as producer:
         with registry._lock:  # the daemon is busy for longer than the caller waits
@@ -770,8 +769,6 @@ def test_a_loan_whose_caller_gave_up_while_the_daemon_was_busy_is_undone(make_da
                 producer.loan(4096)  # with an object table: the Grant of space to place it in
 
         def served() -> bool:
-            if registry.objects is not None:
-                return registry.objects.counters["grants_total"] == 1
             return daemon.stat().allocations_total == 1
 
         # Served after the caller left, then undone: nothing stays allocated or granted.
@@ -1025,9 +1022,9 @@ def _flood_waiting_loans(conn, socket_path: str, threads: int) -> None:
 
 
 @needs_root
-@pytest.mark.parametrize("object_slots", [None, 0], ids=["default_table", "no_table"])  # Grants or Loans wait
-def test_one_tenant_flooding_waiting_loans_does_not_take_the_wait_slots_of_another(make_daemon, object_slots):
-    daemon = make_daemon(allowed_uids=(0, NOBODY), arena_nbytes=2 * MiB, object_slots=object_slots)
+@pytest.mark.parametrize("shared_table", [True, False], ids=["default_table", "no_table"])  # Grants or Loans wait
+def test_one_tenant_flooding_waiting_loans_does_not_take_the_wait_slots_of_another(make_daemon, shared_table):
+    daemon = make_daemon(allowed_uids=(0, NOBODY), arena_nbytes=2 * MiB, share_object_table=shared_table)
     _open_to_nobody(daemon)
     attacker = daemon.tenants[1]
     with BlockingChild(_flood_waiting_loans, daemon.socket_path, 48) as child:

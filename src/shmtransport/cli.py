@@ -141,6 +141,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
         max_sessions_per_tenant=args.max_sessions,
         max_hold_ms=args.max_hold_ms,
         object_slots=args.object_slots,
+        share_object_table=args.share_object_table,
         handoff_window_ms=args.handoff_window_ms,
         shm_reserve_nbytes=args.shm_reserve,
         default_lease_ttl_ms=args.lease_ttl_ms,
@@ -236,8 +237,8 @@ def _run_stat(args: argparse.Namespace) -> int:
     print(f"largest free    {s.largest_free_nbytes / mib:.1f} MiB in {s.free_extents} extent(s)")
     print(f"granted         {s.granted_nbytes / mib:.1f} MiB to producers (placed in shared memory), "
           f"{s.parked_nbytes / mib:.1f} MiB of it parked by idle producers ({s.parked_grants_taken} grants taken back)")
-    print(f"objects/leases  {s.live_objects} / {s.live_leases} ({s.table_objects} objects in the object table, "
-          f"{s.handoff_objects} waiting for a first acquire)")
+    print(f"objects/leases  {s.live_objects} / {s.live_leases} ({s.handoff_objects} objects waiting for a first "
+          "acquire)")
     print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")
     print(f"reclaimed (TTL) {s.reclaimed_ttl_leases} leases, {s.reclaimed_ttl_nbytes} bytes")
     print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_loans} uncommitted loans, "
@@ -403,8 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-sessions", type=int, default=256, help="per-tenant client sessions")
     d.add_argument("--max-hold-ms", type=int, default=60_000, help="longest hold a commit may ask for")
     d.add_argument("--object-slots", type=int, default=None,
-                   help="slots of each tenant's object table (default: one per 4 KiB of arena, 1024-65536; "
-                        "0: no table, every object goes through the daemon)")
+                   help="slots of each tenant's object table: how many objects live at once (default: one "
+                        "per 4 KiB of arena, 1024-65536)")
+    d.add_argument("--no-shared-table", dest="share_object_table", action="store_false",
+                   help="hand the object table to no client: every object goes through the daemon")
     d.add_argument("--handoff-window-ms", type=int, default=30_000,
                    help="how long a committed object nobody acquired outlives its producer")
     d.add_argument("--shm-reserve", type=_size, default=None,

@@ -26,7 +26,7 @@ class Reason(str, enum.Enum):
     DOUBLE_RELEASE = "double_release"
     WRONG_STATE = "wrong_state"  # e.g. acquire of an uncommitted loan, commit twice
     ARENA_FULL = "arena_full"
-    TABLE_FULL = "table_full"  # no free slots in the tenant's object table: loan through the daemon
+    TABLE_FULL = "table_full"  # every slot of the tenant's object table holds a live object (--object-slots)
     QUOTA_EXCEEDED = "quota_exceeded"
     TENANT_BUSY = "tenant_busy"  # the tenant's share of the daemon's RPC threads is in use: retried by the client
     SHM_TOO_SMALL = "shm_too_small"  # not enough memory for the arena, or /dev/shm for a dedicated segment

@@ -1,4 +1,4 @@
-"""The object table: the lifetime of each arena object in shared memory, in two segments.
+"""The object table: the lifetime of every object in shared memory, in two segments.
 
 The **slots** (64 bytes each) say what an object is: generation, offset, size, state, hand-off
 deadline, owner, and a grant's state word. Producers and the daemon write them; consumers map
@@ -9,9 +9,11 @@ into a free slot, commit sets the hand-off bit, acquire ORs in the caller's sess
 clears it. No syscall, no daemon. ``docs/objects.md`` states the invariants and what a death
 between any two steps leaves behind.
 
-Pure Python has no atomic read-modify-write on shared memory, so the table exists only where the
-C kernels do; without them (``available() is False``) a client reaches the same objects through
-the daemon, which changes the table on its behalf (its proxy bit).
+Every object lives here, whoever placed it. Pure Python has no atomic read-modify-write on shared
+memory, so only processes with the C kernels change a table they share; a client without them
+(``available() is False``) reaches the same objects through the daemon, which places and holds
+them on its behalf (its proxy bit). A daemon without them keeps its tables to itself and changes
+them under one lock (``single_writer``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ HANDOFF_BIT = 63
 HANDOFF = 1 << HANDOFF_BIT
 
 LOANED, COMMITTED, HELD = 1, 2, 3  # slot states
+# The offset in the slot of a dedicated segment's object (the daemon places those): past any
+# arena, so no handle of the arena matches it.
+OUTSIDE_ARENA = 1 << 62
 GRANT_ACTIVE, GRANT_PARKED, GRANT_TAKEN = 0, 1, 2  # a grant's state, in its first slot's grant_state
 
 

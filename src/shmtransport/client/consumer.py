@@ -139,14 +139,16 @@ class Consumer(_Client):
         try:
             for i, h in enumerate(handles):
                 shm = h.shm
-                if not shm.slot or mapping is None or shm.name != mapping.name:
-                    # not this tenant's table (or the session is gone meanwhile): the daemon answers
+                if not shm.slot or mapping is None or shm.name != mapping.name or h.commit_token:
+                    # not this tenant's table (or the session is gone meanwhile), or a loan the
+                    # caller commits with its token: the daemon answers
                     continue
                 if shm.offset + shm.nbytes > mapping.nbytes:
                     raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena",
                                       Reason.OUT_OF_BOUNDS)
                 slot_key = (slot_index(shm.slot), shm.generation)
-                tables.acquire(*slot_key, shm.offset, shm.nbytes)
+                if not tables.acquire(*slot_key, shm.offset, shm.nbytes):
+                    continue
                 lease = Lease(self, h, mapping.view(shm.offset, shm.nbytes)[:sizes[i]], 0, tables, slot_key)
                 taken.append(lease)
                 leases[i] = lease

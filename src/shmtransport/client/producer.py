@@ -101,7 +101,7 @@ class Producer(_Client):
             except ResourceExhausted as exc:
                 if exc.reason is not Reason.TABLE_FULL:
                     raise
-                return None  # no slot left in the tenant's table: these objects are the daemon's to keep
+                return None  # no grant of slots left: the daemon's Loan waits for a slot (back-pressure)
             mapping, hello = self._conn.mapping, self._conn.hello
             if mapping is None:  # disconnected meanwhile (by another thread's failed call)
                 raise Unavailable("the daemon of this session is gone")
@@ -308,7 +308,8 @@ class Producer(_Client):
             self._queue_handles(h.shm for h in handles)
 
     def _release_in_table(self, handles: list[Handle]) -> list[Handle]:
-        """Release this producer's object-table handles; the other handles."""
+        """Release the handles of objects this producer placed in the table itself; the others
+        (objects the daemon placed for it, or not its own: the daemon answers)."""
         wheres = [h.where for h in handles]
         if not any(w.slot for w in wheres):
             return handles
@@ -323,9 +324,13 @@ class Producer(_Client):
                 if w.instance_id != self.instance_id:
                     raise Unavailable(f"handle of daemon instance {w.instance_id!r}, connected to "
                                       f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
-                placed = tables.owned(slot_index(w.slot), w.generation) if tables is not None else None
-                if tables is None or placed is None:
-                    if tables is not None and w.owner_id == self._conn.hello.session_id:
+                slot = slot_index(w.slot)
+                if tables is None or not 0 <= slot < tables.table.nslots or tables.placed_by_daemon(slot):
+                    rest.append(h)  # the daemon's to answer
+                    continue
+                placed = tables.owned(slot, w.generation)
+                if placed is None:
+                    if w.owner_id == self._conn.hello.session_id and tables.placed_by_me(slot):
                         raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)
                     raise OwnershipError(f"{h!r} is not an object of this producer")
                 if (placed.offset, placed.nbytes) != (w.offset, w.nbytes):

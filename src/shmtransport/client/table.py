@@ -26,7 +26,16 @@ from typing import Callable
 from .. import handle_wire
 from ..allocator import PAGE, Allocator
 from ..errors import InvalidArgument, Reason, ResourceExhausted, StateError
-from ..objtable import GRANT_ACTIVE, GRANT_PARKED, ObjectTable, SlotStatus, grant_word, raise_for, slot_index
+from ..objtable import (
+    GRANT_ACTIVE,
+    GRANT_PARKED,
+    PROXY_BIT,
+    ObjectTable,
+    SlotStatus,
+    grant_word,
+    raise_for,
+    slot_index,
+)
 from ..v1 import daemon_pb2 as pb
 
 # Fault injection (the chaos harness): called with a step name between the steps of every
@@ -315,17 +324,30 @@ class TableClient:
             self._give_back(sorted(spares, key=lambda g: g.nbytes)[:-1])
 
     # -- consumer --------------------------------------------------------------------------------
-    def acquire(self, slot: int, generation: int, offset: int, nbytes: int) -> None:
+    def acquire(self, slot: int, generation: int, offset: int, nbytes: int) -> bool:
         """Take one more lease on the object; the first sets this client's hold bit, checked
-        against the handle (a refusal raises as ``raise_for`` says)."""
+        against the handle (a refusal raises as ``raise_for`` says). False, and nothing taken, for
+        a loan the daemon placed that is not committed yet: its producer's Commit may be in
+        flight, which the daemon's Acquire waits for."""
         key = (slot, generation)
         count = self._leases.get(key, 0)
         if count == 0:
             status = self.table.acquire(slot, generation, offset, nbytes, self.bit)
             _step("t_after_acquire")
+            if status is SlotStatus.NOT_COMMITTED and self.placed_by_daemon(slot):
+                return False
             if status is not SlotStatus.OK:
                 raise_for(status, slot)
         self._leases[key] = count + 1
+        return True
+
+    def placed_by_daemon(self, slot: int) -> bool:
+        """Whether the object in ``slot`` is one the daemon placed for a client without a bit."""
+        return int(self.table.columns["owner"][slot]) == PROXY_BIT
+
+    def placed_by_me(self, slot: int) -> bool:
+        """Whether this producer placed the object now in ``slot`` (or the last one there)."""
+        return int(self.table.columns["owner"][slot]) == self.bit
 
     def acquire_wire(self, data: bytes, name: bytes, instance_id: bytes,
                      arena_nbytes: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -339,6 +361,8 @@ class TableClient:
             return None
         head = reader.head()
         key = (slot_index(head[3]), head[2])  # (index, generation)
+        if status is SlotStatus.NOT_COMMITTED and self.placed_by_daemon(key[0]):
+            return None  # a loan whose commit may be in flight: the daemon waits for it
         count = self._leases.get(key, 0)
         if status is not SlotStatus.OK and not (status is SlotStatus.ALREADY and count):
             raise_for(status, key[0])

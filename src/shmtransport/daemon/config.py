@@ -59,10 +59,12 @@ class DaemonConfig:
     commit_wait_s: float = 2.0  # how long Acquire waits for a commit still in flight
     max_alloc_wait_ms: int = 10_000  # cap on a Loan's back-pressure wait for free space
     page_align_min_nbytes: int = 64 * 1024
-    # Slots of each tenant's object table (objects whose lifetime lives in shared memory, so
-    # clients with the C kernels loan, commit, acquire and release without the daemon). None: one
-    # per 4 KiB of arena, 1,024 to 65,536; 0: no table (every object goes through the daemon).
+    # Slots of each tenant's object table, where every object's lifetime lives: at most that many
+    # objects live at once. None: one per 4 KiB of arena, 1,024 to 65,536.
     object_slots: int | None = None
+    # Hand the table to clients with the C kernels, which then loan, commit, acquire and release
+    # in shared memory without the daemon; False: every object goes through the daemon.
+    share_object_table: bool = True
     # A committed object nobody has acquired yet survives its producer (close, exit) this long.
     handoff_window_ms: int = 30_000
     metrics_port: int | None = None  # shorthand for metrics_address "127.0.0.1:PORT"
@@ -89,11 +91,11 @@ class DaemonConfig:
         return 0o600
 
     def resolved_object_slots(self, arena_nbytes: int) -> int:
-        """Slots of a tenant's object table for an arena of ``arena_nbytes``: a multiple of 64; 0 for none."""
+        """Slots of a tenant's object table for an arena of ``arena_nbytes``: a multiple of 64."""
         if self.object_slots is None:
             return min(65536, max(1024, arena_nbytes // PAGE // 64 * 64))
-        if self.object_slots < 0:
-            raise ValueError(f"object_slots must be >= 0, got {self.object_slots}")
+        if self.object_slots < 1:
+            raise ValueError(f"object_slots must be >= 1 (every object lives in the table), got {self.object_slots}")
         return (self.object_slots + 63) // 64 * 64
 
     def resolved_arena_nbytes(self, tenants: int = 1) -> int:

@@ -39,7 +39,7 @@ _GAUGES = {
     "free_extents": "Number of free extents (fragmentation)",
     "live_objects": "Live allocations",
     "live_leases": "Live consumer leases",
-    "table_objects": "Live objects in the object table (counted in live_objects)",
+    "table_objects": "Live objects in the object table (every live object: the same as live_objects)",
     "handoff_objects": "Committed objects in the object table waiting for a first acquire",
     "quarantined_leases": "Leases past their TTL whose client lives: bytes kept, never reused under a view",
     "quarantined_nbytes": "Bytes under quarantined leases",

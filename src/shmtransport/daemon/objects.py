@@ -1,17 +1,19 @@
-"""One tenant's object table as the daemon keeps it: the janitor, not a party to every object.
+"""One tenant's object table as the daemon keeps it: where every object's lifetime is.
 
 Clients with the C kernels loan, commit, acquire and release arena objects in the table alone
-(``shmtransport.objtable``). The daemon only
+(``shmtransport.objtable``). The daemon
 - gives each live session one holder bit (62 per tenant; later sessions use the RPC path);
 - grants producers space in large pieces: an arena byte range plus a range of slots, in which
   the producer places objects itself (``Grant``); a producer parks an empty grant it keeps, and
   the daemon takes parked grants back when another producer needs the space;
+- places objects itself, one slot each, for clients that cannot (``place``: the pure-Python
+  backend, sessions without a bit, the remote tier, dedicated segments), held with its proxy bit
+  while ``allocations.AllocationBook`` books a reference to them;
 - when a session ends, clears its bit in every slot and takes its grants over: an orphaned grant
   goes back to the arena once every object in it is dead;
-- ends hand-off windows: a committed object nobody acquired within the window is reclaimed (and
-  counted);
-- holds objects on behalf of clients without a bit (the pure-Python backend, sessions past the
-  62nd, the remote tier) with its proxy bit, counting their leases itself;
+- ends hand-off windows and holds: a committed object nobody acquired within the window is
+  reclaimed (and counted);
+- drops holds only a client's writing explains (``drop_forged_holds``);
 - reads the table for Stat and metrics.
 
 Every method is called with the tenant registry's lock held (the registry owns the arena
@@ -23,14 +25,13 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Collection, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from ..allocator import Allocator
 from ..errors import (
-    HandleError,
     InvalidArgument,
     OwnershipError,
     Reason,
@@ -50,9 +51,8 @@ from ..objtable import (
     SESSION_BITS,
     SLOT_NBYTES,
     ObjectTable,
-    SlotStatus,
+    available,
     grant_word,
-    raise_for,
     slot_index,
     wire_slot,
 )
@@ -81,8 +81,8 @@ class Grant:
 class ClosedHoldings(NamedTuple):
     """What a session still held in the table when it ended (``ObjectBook.close_session``)."""
 
-    held: int  # slots its bit held plus its proxied leases: its own objects' and others'
-    leases: int  # of those, leases: its bit on other producers' objects, and its proxied leases
+    held: int  # slots its bit held: its own objects' and others'
+    leases: int  # of those, leases: its bit on other producers' objects
     loans: int  # of those, its own loans never committed
     freed_nbytes: int  # bytes of the objects that died with it
 
@@ -95,23 +95,28 @@ class SessionHoldings(NamedTuple):
     committed_nbytes: int
 
 
-@dataclasses.dataclass
-class ProxyLease:
-    """A lease the daemon holds with its proxy bit for a client that has no bit of its own."""
+class DaemonSide(NamedTuple):
+    """What the daemon books of one table object (``AllocationBook.daemon_side``), for List."""
 
-    slot: int
-    generation: int
-    session_id: str
+    owner_session: str | None  # the producer of an object the daemon placed; None: a table producer's
+    holder_sessions: list[str]  # one per lease the daemon holds for a client
+    producer_held: bool
+    segment_name: str
+    quarantined_leases: int
+    age_s: float
 
 
 class ObjectBook:
-    """The daemon's side of one tenant's object table: session bits, grants, proxy leases, and
-    the janitor's passes (hand-off windows, forged holds); called under the tenant's lock."""
+    """The daemon's side of one tenant's object table: session bits, grants, the objects it
+    places, and the janitor's passes (hand-off windows, forged holds); called under the tenant's
+    lock."""
 
     def __init__(self, slots: Segment, holds: Segment, nslots: int, handoff_window_ms: int,
-                 max_hold_ms: int = 60_000):
+                 max_hold_ms: int = 60_000, shared: bool = True):
         """``slots`` and ``holds``: the table's two sealed segments (``objtable``), each of
-        ``table_nbytes(nslots)``."""
+        ``table_nbytes(nslots)``. ``shared``: clients with the C kernels map it and get holder
+        bits; otherwise (or without the C kernels here) only the daemon changes it, and its
+        sessions get no bit."""
         if nslots <= 0 or nslots % 64:
             raise InvalidArgument(f"object slots must be a positive multiple of 64, got {nslots}")
         self.slots_segment, self.holds_segment = slots, holds
@@ -120,14 +125,17 @@ class ObjectBook:
         # No honest commit sets a deadline further ahead than this (plus the sweep's own slack).
         self._longest_deadline_ns = (max(handoff_window_ms, max_hold_ms) + 1000) * 1_000_000
         self._maps = (slots.map(), holds.map())
-        self.table = ObjectTable(memoryview(self._maps[0]), memoryview(self._maps[1]), nslots)
+        self.shared = shared and available()
+        self.table = ObjectTable(memoryview(self._maps[0]), memoryview(self._maps[1]), nslots,
+                                 single_writer=not available())
         self._slots = Allocator(nslots * SLOT_NBYTES, page_align_min_nbytes=_NEVER)
-        self._free_bits = list(range(SESSION_BITS - 1, -1, -1))  # pop() hands out bit 0 first
+        self._free_bits = list(range(SESSION_BITS - 1, -1, -1)) if self.shared else []  # pop(): bit 0 first
         self._bits: dict[str, int] = {}  # session id -> its bit
         self._grants: dict[int, Grant] = {}
         self._next_grant_id = 1
-        self._proxy_counts: dict[tuple[int, int], int] = {}  # (slot, generation) -> proxy leases
-        self._proxy_leases: dict[int, ProxyLease] = {}
+        # The size of each object the daemon placed (0: a slot it did not place), as it knows it:
+        # a producer of the tenant can rewrite the slot's own word.
+        self._placed_nbytes = np.zeros(nslots, dtype=np.uint64)
         self.counters = {"reclaimed_handoff_objects": 0, "reclaimed_handoff_nbytes": 0,
                          "grants_total": 0, "parked_grants_taken": 0}
         self._allocation_samples: collections.deque[tuple[float, int]] = collections.deque()
@@ -143,9 +151,9 @@ class ObjectBook:
         return bit
 
     def close_session(self, session_id: str, release_bytes: ReleaseBytes) -> ClosedHoldings:
-        """The session ended (closed or died): clear its bit everywhere, drop its proxy leases, and
-        orphan its grants. Its bit is free again only after that, so no new session inherits a
-        hold. Returns what it still held and the bytes of the objects that died with it."""
+        """The session ended (closed or died): clear its bit everywhere and orphan its grants.
+        Its bit is free again only after that, so no new session inherits a hold. Returns what
+        it still held and the bytes of the objects that died with it."""
         held = leases = loans = freed_nbytes = 0
         bit = self._bits.pop(session_id, None)
         if bit is not None:
@@ -163,10 +171,6 @@ class ObjectBook:
             owners = self.table.columns["owner"]
             owners[owners == bit] = _NO_OWNER
             self._free_bits.append(bit)
-        for lease_id in [i for i, lease in self._proxy_leases.items() if lease.session_id == session_id]:
-            self._drop_proxy(lease_id)
-            held += 1
-            leases += 1
         for grant in self._grants.values():
             if grant.session_id == session_id:
                 grant.session_id = None
@@ -210,6 +214,48 @@ class ObjectBook:
             if grant is not None and grant.session_id == session_id:
                 grant.session_id = None
         self.reclaim_orphans(release_bytes)
+
+    # -- objects the daemon places -------------------------------------------------------------
+    def place(self, offset: int, nbytes: int) -> tuple[int, int]:
+        """A new object at ``offset`` (an arena offset, or ``OUTSIDE_ARENA`` for a dedicated
+        segment's) in a slot of its own, held and owned by the proxy bit: (slot, generation).
+        ResourceExhausted (TABLE_FULL) when no slot is free."""
+        try:
+            slot = self._slots.allocate(SLOT_NBYTES) // SLOT_NBYTES
+        except ResourceExhausted:
+            raise ResourceExhausted(f"object table full: all {self.nslots} slots hold objects (raise --object-slots)",
+                                    Reason.TABLE_FULL) from None
+        try:
+            generation = self.table.publish(slot, offset, nbytes, PROXY_BIT)
+        except BaseException:  # a client wrote holders into a free slot: leave it to the janitor
+            self._slots.free(slot * SLOT_NBYTES)
+            raise
+        self._placed_nbytes[slot] = nbytes
+        return slot, generation
+
+    def unplace(self, slot: int) -> None:
+        """An object the daemon placed died (nobody holds it): its slot is free again."""
+        self._placed_nbytes[slot] = 0
+        self._slots.free(slot * SLOT_NBYTES)
+
+    def dead(self, slots: Sequence[int]) -> list[int]:
+        """Those of ``slots`` whose object nobody holds any more."""
+        if not slots:
+            return []
+        index = np.asarray(slots, dtype=np.int64)
+        dead: list[int] = index[self.table.holders[index] == 0].tolist()
+        return dead
+
+    def slot_of(self, handle: pb.Handle) -> int:
+        """The table index a handle names; InvalidArgument when it names none of this table's."""
+        slot = slot_index(handle.slot)
+        if not 0 <= slot < self.nslots:
+            raise InvalidArgument(f"handle names object slot {handle.slot}, the table has {self.nslots}")
+        return slot
+
+    def generation(self, slot: int) -> int:
+        """The generation of the object in (or last in) ``slot``."""
+        return int(self.table.columns["generation"][slot])
 
     def reclaim_orphans(self, release_bytes: ReleaseBytes) -> int:
         """Free every orphaned grant whose objects are all dead; the bytes returned."""
@@ -261,24 +307,27 @@ class ObjectBook:
     HANDOFF_SCAN_S = 0.25
     RATE_SAMPLE_S = 0.5
 
-    def sweep(self, now: float, release_bytes: ReleaseBytes, rate_window_s: float) -> None:
+    def sweep(self, now: float, release_bytes: ReleaseBytes, rate_window_s: float,
+              proxied: Callable[[], Collection[int]]) -> None:
         """One janitor tick: orphaned grants every tick, hand-off windows and the allocation rate
-        at their own pace."""
+        at their own pace. ``proxied``: the slots the daemon holds with its proxy bit, asked only
+        when a scan needs them."""
         self.reclaim_orphans(release_bytes)
         if now >= self._next_handoff_scan:
             self._next_handoff_scan = now + self.HANDOFF_SCAN_S
-            if self.drop_forged_holds() + self.expire_handoffs():
+            if self.drop_forged_holds(proxied()) + self.expire_handoffs(int(now * 1_000_000_000)):
                 self.reclaim_orphans(release_bytes)
         if now >= self._next_rate_sample:
             self._next_rate_sample = now + self.RATE_SAMPLE_S
             self.sample_allocations(rate_window_s)
 
     # -- holds nobody may have -------------------------------------------------------------------
-    def drop_forged_holds(self) -> int:
+    def drop_forged_holds(self, proxied: Collection[int]) -> int:
         """Drop what only a client's writing into the table explains (lock held), so that it never
-        outlives its writer: session bits no live session has, and the proxy bit on slots where the
-        daemon holds no proxied lease. The objects that died of it (their bytes go back with their
-        grants); a forged deadline is ``expire_handoffs``'."""
+        outlives its writer: session bits no live session has, and the proxy bit on slots not in
+        ``proxied`` (where the daemon books no reference). The objects that died of it (their bytes
+        go back with their grants, or as the daemon's dead placements); a forged deadline is
+        ``expire_handoffs``'."""
         holders = self.table.holders.copy()  # one read: the words keep changing under us
         if not holders.size:
             return 0
@@ -294,7 +343,6 @@ class ObjectBook:
             held, gone, _ = self.table.clear_bit(bit)
             dropped, died = dropped + held, died + gone
         if present >> PROXY_BIT & 1:
-            proxied = {slot for slot, _ in self._proxy_counts}
             for index in np.flatnonzero(holders & np.uint64(1 << PROXY_BIT)).tolist():
                 if index not in proxied:
                     held, gone, _ = self.table.clear_bit(PROXY_BIT, index, index + 1)
@@ -325,66 +373,20 @@ class ObjectBook:
         return died
 
     def _bounded_nbytes(self, index: int) -> int:
-        """The size a slot claims, which its producer wrote: no more than the grant it lies in."""
+        """The size of a slot's object: the daemon's own for one it placed; else what its producer
+        wrote, no more than the grant it lies in."""
+        if self._placed_nbytes[index]:
+            return int(self._placed_nbytes[index])
         grant = next((g for g in self._grants.values() if g.first_slot <= index < g.first_slot + g.nslots), None)
         return min(int(self.table.columns["nbytes"][index]), grant.nbytes if grant is not None else 0)
 
-    def _bounded_sizes(self, sizes: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-        """Slot sizes (written by producers) for sums: none larger than the largest grant, so a
+    def _bounded_sizes(self, live: npt.NDArray[np.bool_] | npt.NDArray[np.intp]) -> npt.NDArray[np.uint64]:
+        """The sizes of the ``live`` slots' objects (a mask, or indices) for sums: the daemon's own for those it placed,
+        none larger than the largest grant for the others (their producers wrote them), so a
         forged word cannot wrap a sum around (or push a counter past what Stat can carry)."""
         largest = max((g.nbytes for g in self._grants.values()), default=0)
-        return np.minimum(sizes, np.uint64(largest))
-
-    # -- holds on behalf of clients without a bit ------------------------------------------------
-    def proxy_acquire(self, session_id: str, handle: pb.Handle, lease_id: int) -> None:
-        """Hold the object ``handle`` names with the proxy bit for the session's lease ``lease_id``;
-        typed errors when it is not that live, committed object."""
-        slot, gen = self._slot_of(handle), handle.generation
-        key = (slot, gen)
-        if key in self._proxy_counts:
-            # Held already, so the row is this object's: the handle must name exactly its bytes.
-            cols = self.table.columns
-            if (int(cols["offset"][slot]), int(cols["nbytes"][slot])) != (handle.offset, handle.nbytes):
-                raise HandleError(f"handle [{handle.offset}, +{handle.nbytes}) does not match object slot {slot}",
-                                  Reason.OUT_OF_BOUNDS)
-        else:
-            status = self.table.acquire(slot, gen, handle.offset, handle.nbytes, PROXY_BIT)
-            if status is not SlotStatus.OK:
-                raise_for(status, slot)
-            self._proxy_counts[key] = 0
-        self._proxy_counts[key] += 1
-        self._proxy_leases[lease_id] = ProxyLease(slot, gen, session_id)
-
-    def proxy_check(self, handle: pb.Handle) -> None:
-        """Refuse a handle that cannot name a slot of this table, before anything is held."""
-        self._slot_of(handle)
-
-    def proxy_lease(self, lease_id: int) -> ProxyLease | None:
-        """The proxy lease ``lease_id``, None when there is none."""
-        return self._proxy_leases.get(lease_id)
-
-    def proxy_release(self, lease_id: int) -> None:
-        """End a proxy lease; the proxy bit goes when the object's last one ends."""
-        self._drop_proxy(lease_id)
-
-    def _drop_proxy(self, lease_id: int) -> None:
-        lease = self._proxy_leases.pop(lease_id)
-        key = (lease.slot, lease.generation)
-        self._proxy_counts[key] -= 1
-        if not self._proxy_counts[key]:
-            del self._proxy_counts[key]
-            self.table.release(lease.slot, lease.generation, PROXY_BIT)
-
-    @property
-    def proxy_leases(self) -> int:
-        """How many proxy leases are live."""
-        return len(self._proxy_leases)
-
-    def _slot_of(self, handle: pb.Handle) -> int:
-        slot = slot_index(handle.slot)
-        if not 0 <= slot < self.nslots:
-            raise InvalidArgument(f"handle names object slot {handle.slot}, the table has {self.nslots}")
-        return slot
+        placed = self._placed_nbytes[live]
+        return np.where(placed != 0, placed, np.minimum(self.table.columns["nbytes"][live], np.uint64(largest)))
 
     # -- introspection ---------------------------------------------------------------------------
     @property
@@ -411,18 +413,20 @@ class ObjectBook:
         return (samples[-1][1] - samples[0][1]) / window_s
 
     def snapshot(self) -> dict[str, int]:
-        """Live objects in the table and their bytes, consumer leases (session bits other than
-        the producer's, plus proxied leases), and objects waiting for a first acquire."""
+        """Live objects in the table, the bytes of those producers placed (the daemon's own are
+        counted where it allocated them), consumer leases held with session bits (other than the
+        producer's), and objects waiting for a first acquire."""
         cols = self.table.columns
         holders = self.table.holders.copy()  # one read: the words keep changing under us
         live = holders != 0
         owner_bits = np.left_shift(np.uint64(1), cols["owner"][live] & np.uint64(63))
         consumer = holders[live] & np.uint64((1 << SESSION_BITS) - 1) & ~owner_bits
         leases = int(np.unpackbits(consumer.view(np.uint8)).sum()) if consumer.size else 0
+        by_producers = live & (self._placed_nbytes == 0)
         return {
             "objects": int(live.sum()),
-            "nbytes": int(self._bounded_sizes(cols["nbytes"][live]).sum()),
-            "leases": leases + self.proxy_leases,
+            "nbytes": int(self._bounded_sizes(by_producers).sum()),
+            "leases": leases,
             "handoff": int(((holders & np.uint64(HANDOFF)) != 0).sum()),
         }
 
@@ -436,7 +440,7 @@ class ObjectBook:
         if not live.size or not self._bits:
             return {session_id: SessionHoldings(0, 0, 0) for session_id in self._bits}
         words, owners = holders[live], cols["owner"][live]
-        nbytes, loaned = self._bounded_sizes(cols["nbytes"][live]), cols["state"][live] == LOANED
+        nbytes, loaned = self._bounded_sizes(live), cols["state"][live] == LOANED
         holdings = {}
         for session_id, bit in self._bits.items():
             held = (words & np.uint64(1 << bit)) != 0
@@ -447,16 +451,13 @@ class ObjectBook:
 
     _STATE_NAMES = {LOANED: "loaned", COMMITTED: "committed", HELD: "held"}
 
-    def list_objects(self) -> list[pb.ObjectInfo]:
+    def list_objects(self, daemon_side: Mapping[int, DaemonSide]) -> list[pb.ObjectInfo]:
         """Every live object in the table, with its producer's and holders' sessions (one holder
-        entry per session bit and per proxied lease). Age is known for committed objects: their
-        deadline is the commit time plus the hand-off window."""
+        entry per session bit, and per lease the daemon holds: ``daemon_side``, by slot). Age is
+        known for committed objects: their deadline is the commit time plus the hand-off window."""
         cols = self.table.columns
         holders = self.table.holders.copy()  # one read: the words keep changing under us
         session_of = {bit: session_id for session_id, bit in self._bits.items()}
-        proxied = collections.defaultdict(list)
-        for lease in self._proxy_leases.values():
-            proxied[(lease.slot, lease.generation)].append(lease.session_id)
         now_ns, window_ns = time.monotonic_ns(), self.handoff_window_ms * 1_000_000
         infos = []
         for index in np.flatnonzero(holders).tolist():
@@ -470,13 +471,24 @@ class ObjectBook:
                 low = bits & -bits
                 sessions.append(session_of.get(low.bit_length() - 1, ""))
                 bits ^= low
-            sessions += proxied.get((index, generation), [])
             age_s = (now_ns - int(cols["deadline_ns"][index]) + window_ns) / 1e9 if state == COMMITTED else -1.0
-            infos.append(pb.ObjectInfo(
-                offset=int(cols["offset"][index]), nbytes=int(cols["nbytes"][index]), generation=generation,
+            info = pb.ObjectInfo(
+                offset=int(cols["offset"][index]), nbytes=int(self._placed_nbytes[index]) or int(cols["nbytes"][index]),
+                generation=generation,
                 slot=wire_slot(index), state=self._STATE_NAMES.get(state, str(state)), handoff=bool(word & HANDOFF),
-                owner_session=session_of.get(owner_bit, ""), holder_sessions=sessions, age_s=age_s,
-                producer_held=owner_bit < SESSION_BITS and bool(word >> owner_bit & 1)))
+                owner_session=session_of.get(owner_bit, ""), age_s=age_s,
+                producer_held=owner_bit < SESSION_BITS and bool(word >> owner_bit & 1))
+            daemon = daemon_side.get(index)
+            if daemon is not None:
+                sessions += daemon.holder_sessions
+                info.quarantined_leases = daemon.quarantined_leases
+                if daemon.owner_session is not None:  # an object the daemon placed for a client
+                    info.owner_session, info.producer_held = daemon.owner_session, daemon.producer_held
+                    info.segment_name, info.age_s = daemon.segment_name, daemon.age_s
+                    if daemon.segment_name:
+                        info.offset = 0
+            info.holder_sessions.extend(sessions)
+            infos.append(info)
         return infos
 
     def close(self) -> None:

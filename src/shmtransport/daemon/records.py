@@ -1,6 +1,6 @@
-"""What a tenant's registry books: its sessions, allocations (objects of the RPC path) and
-consumer leases, and the tenant's limits. Plain records; every rule about them lives in
-``registry.Registry``, which changes them under its lock only."""
+"""What a tenant's registry books: its sessions, the daemon's references to objects
+(``Allocation``: a producer's, and consumer leases), and the tenant's limits. Plain records;
+every rule about them lives in the registry and its books, which change them under its lock only."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ from .segments import Segment
 
 
 class ObjState(enum.Enum):
-    """An RPC-path object's state: loaned (being written) or committed (readable)."""
+    """What the daemon knows of an object it booked: loaned (being written) or committed (readable)."""
 
     LOANED = "loaned"
     COMMITTED = "committed"
@@ -49,16 +49,20 @@ class Session:
 
 @dataclasses.dataclass
 class Allocation:
-    """An object of the RPC path: its bytes, producer, holds and leases."""
+    """An object the daemon books a reference to: one it placed for a producer without a holder
+    bit (an arena loan, or a dedicated segment), or a table producer's object it leases to clients
+    without one. Its state lives in the object table (``slot``), held by the proxy bit while the
+    producer's reference or a lease is booked here."""
 
-    key: int  # in ``_objects``: the arena offset, or ``-generation`` for a dedicated segment
+    key: int  # in ``_objects``: the arena offset, or ``-serial`` for a dedicated segment
     nbytes: int
-    generation: int
-    owner: str  # session id of the producer
+    generation: int  # its slot's
+    owner: str  # session id of the producer ("" for a table producer's object)
+    slot: int
     state: ObjState = ObjState.LOANED
     producer_ref: bool = True
-    hold_until: float = 0.0  # monotonic deadline; 0 = no hold
-    handoff: bool = False  # the hold is the hand-off window: the first acquire ends it
+    placed: bool = True  # the daemon placed it (and frees its bytes); False: a table producer's
+    held: bool = False  # committed with a hold: no acquire or release ends it before its deadline
     leases: set[int] = dataclasses.field(default_factory=set)
     commit_token: bytes = b""  # presenting it in Acquire commits the loan (commit by handoff)
     # Dedicated segment per object (LoanRequest.dedicated): the object's own segment; its handle
@@ -71,10 +75,15 @@ class Allocation:
         """Where the bytes start in their segment: the arena offset, or 0 in a dedicated segment."""
         return 0 if self.segment is not None else self.key
 
+    @property
+    def referenced(self) -> bool:
+        """Whether a reference is booked, so the daemon's proxy bit holds the object."""
+        return self.producer_ref or bool(self.leases)
+
 
 @dataclasses.dataclass
 class LeaseRecord:
-    """A consumer's lease as the daemon books it (the RPC path)."""
+    """A consumer's lease the daemon holds for it (a client without a holder bit)."""
 
     lease_id: int
     key: int  # of the leased Allocation

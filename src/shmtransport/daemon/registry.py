@@ -1,8 +1,9 @@
 """One tenant's books: its sessions, quotas and counters, and the two books of its objects
-behind one lock: ``objects.ObjectBook`` (the object table, where clients with a holder bit keep
-their objects themselves) and ``allocations.AllocationBook`` (the objects the daemon keeps for the
-others, and dedicated segments). The registry checks each call (session, batch, quota, handle's
-instance and tenant) and hands each object to the book it lives in.
+behind one lock: ``objects.ObjectBook`` (the object table, where every object lives, and where
+clients with a holder bit keep their objects themselves) and ``allocations.AllocationBook`` (the
+references the daemon holds there for the others: it places and holds their objects with its
+proxy bit). The registry checks each call (session, batch, quota, handle's instance and tenant)
+and hands it to the books.
 
 Each tenant (an allowed uid or group) has its own Registry, arena and quotas; a handle of another
 tenant's segment is refused, so tenants can neither read nor pin each other's bytes.
@@ -14,7 +15,6 @@ room, or for a commit) wait on a condition of the lock, woken by what they wait 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import threading
 import time
@@ -66,17 +66,17 @@ LIST_LIMIT = 10_000  # objects in one List answer (a 4 MiB message holds ~40k; t
 
 class Registry:
     """One tenant's sessions, quotas, grants and counters, and its two object books (``objects``:
-    the table; ``allocations``: the daemon's own), behind one lock."""
+    the table; ``allocations``: the daemon's references there), behind one lock."""
 
     def __init__(self, instance_id: str, segment_name: str, allocator: Allocator, limits: TenantLimits,
-                 shm_reserve: ShmReserve | None = None, segment_owner: tuple[int, int] | None = (-1, -1),
-                 tenant: str = "", objects: ObjectBook | None = None):
+                 objects: ObjectBook, shm_reserve: ShmReserve | None = None,
+                 segment_owner: tuple[int, int] | None = (-1, -1), tenant: str = ""):
         """``segment_name``: this tenant's arena (its dedicated segments are named after it, see
         ``shm_names``). ``shm_reserve``: the
         daemon-wide /dev/shm budget dedicated segments are created under; ``segment_owner``: the
         (uid, gid) they are handed to (-1: keep the daemon's), so the tenant can open them by name;
         None: this tenant cannot be given any (a daemon that is not root cannot hand files over).
-        ``objects``: the tenant's object table, when it has one (see ``daemon.objects``)."""
+        ``objects``: the tenant's object table (see ``daemon.objects``)."""
         self.instance_id = instance_id
         self.tenant = tenant
         self.segment_name = segment_name
@@ -88,15 +88,12 @@ class Registry:
         self._freed = threading.Condition(self._lock)  # notified whenever bytes are freed
         self._room_poller = False  # whether a waiting Grant polls the table for room (see grant)
         self._sessions: dict[str, Session] = {}
-        # Times of the allocations of the last _RATE_WINDOW_S only (pruned on every append), so
-        # memory and the cost of Stat stay proportional to the recent rate, not to uptime.
-        self._alloc_times: collections.deque[float] = collections.deque()
         self.counters: collections.Counter[str] = collections.Counter()
         self._waiting = WaitingCalls()
         self.objects = objects
         dedicated = DedicatedSegments(self._tenant_base, shm_reserve or ShmReserve(0), segment_owner)
-        self.allocations = AllocationBook(instance_id, segment_name, self._sessions, dedicated, self.counters,
-                                          self._bytes_freed, self._waiting, self._check_handle)
+        self.allocations = AllocationBook(instance_id, segment_name, self._sessions, objects, dedicated,
+                                          self.counters, self._bytes_freed, self._waiting, self._check_handle)
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, session_id: str, pid: int, uid: int, quarantine_expired: bool = True,
@@ -107,7 +104,7 @@ class Registry:
             session = Session(session_id, pid, uid, quarantine_expired)
             self._sessions[session_id] = session
             self.counters["sessions_total"] += 1
-            return self.objects.open_session(session_id) if self.objects is not None and holder_bit else None
+            return self.objects.open_session(session_id) if holder_bit else None
 
     @property
     def live_sessions(self) -> int:
@@ -134,10 +131,10 @@ class Registry:
             held = len(session.producer_refs)  # what it still held: references, leases, table holds
             leases, loans, nbytes = self.allocations.close_session(session)
             held += leases
-            if self.objects is not None:
-                in_table = self.objects.close_session(session_id, self._bytes_freed)
-                held += in_table.held
-                leases, loans, nbytes = leases + in_table.leases, loans + in_table.loans, nbytes + in_table.freed_nbytes
+            in_table = self.objects.close_session(session_id, self._bytes_freed)
+            held += in_table.held
+            leases, loans, nbytes = leases + in_table.leases, loans + in_table.loans, nbytes + in_table.freed_nbytes
+            self.allocations.reclaim_dead()  # objects the daemon placed that only the session's bit held
             kind = "released_at_close" if closed_by_client else "reclaimed_death"
             self.counters[f"{kind}_leases"] += leases
             self.counters[f"{kind}_loans"] += loans
@@ -152,8 +149,6 @@ class Registry:
         """Arena bytes plus object slots for a producer with a holder bit (all or nothing); waits
         up to ``wait_s`` for space like ``loan``. ``give_back``: grants returned first; ``retry``:
         the caller asks again if refused (not counted as an allocation failure)."""
-        if self.objects is None:
-            raise StateError("this daemon has no object table: loan with Loan")
         if nbytes < 0 or nslots < 0 or nslots > self.objects.nslots:
             raise InvalidArgument(f"grant of {nbytes} bytes and {nslots} slots: out of range")
         if len(give_back) > self.limits.max_batch:
@@ -185,7 +180,7 @@ class Registry:
                         if self._make_room():  # orphaned and parked grants hold slots as well as bytes
                             continue
                         remaining = deadline - time.monotonic()
-                        # A full table is not waited for: the producer loans through the daemon instead.
+                        # A full table is not waited for here: the producer's Loan waits for a slot.
                         if remaining <= 0 or exc.reason is Reason.TABLE_FULL or \
                                 nbytes > min(self.allocator.nbytes, self.quota_nbytes):
                             if not retry and exc.reason is not Reason.TABLE_FULL:
@@ -207,11 +202,11 @@ class Registry:
                     self._freed.notify()
 
     def _make_room(self) -> bool:
-        """Free what the table lets go of without waiting (lock held): orphaned grants whose
-        objects died, and grants their producers parked. Whether any bytes came back."""
-        if self.objects is None:
-            return False
-        return bool(self.objects.reclaim_orphans(self._bytes_freed) or self.objects.take_parked(self._bytes_freed))
+        """Free what the table lets go of without waiting (lock held): objects the daemon placed
+        that died there, orphaned grants whose objects died, and grants their producers parked.
+        Whether any bytes came back."""
+        return bool(self.allocations.reclaim_dead() or self.objects.reclaim_orphans(self._bytes_freed)
+                    or self.objects.take_parked(self._bytes_freed))
 
     def _bytes_freed(self, offset: int | None) -> None:
         """Bytes came back (lock held): an arena ``offset`` (an object's, or an orphaned grant's
@@ -222,8 +217,9 @@ class Registry:
 
     # -- producer side ---------------------------------------------------------------------------
     def loan(self, session_id: str, sizes: Sequence[int], wait_s: float = 0.0) -> pb.LoanResponse:
-        """Allocate every size (all or nothing). When the arena is full, wait up to ``wait_s`` for
-        other clients to free space (back-pressure) before refusing with ARENA_FULL."""
+        """Allocate every size and place each object in the table (all or nothing). When the arena
+        or the table is full, wait up to ``wait_s`` for other clients to free space (back-pressure)
+        before refusing with ARENA_FULL or TABLE_FULL."""
         sizes = self._sizes(sizes)
         with self._lock:
             session = self._live_session(session_id)
@@ -236,21 +232,22 @@ class Registry:
                         self._check_quota(total)
                     for nbytes in sizes:
                         offsets.append(self.allocator.allocate(nbytes))
+                    response = pb.LoanResponse()
+                    self.allocations.add_arena_loans(session, offsets, sizes, response)
                     break
-                except ResourceExhausted:
+                except ResourceExhausted as exc:
                     for offset in offsets:
                         self.allocator.free(offset)
                     if self._make_room():
                         continue
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0 or total > min(self.allocator.nbytes, self.quota_nbytes):
+                    if remaining <= 0 or len(sizes) > self.objects.nslots or (
+                            exc.reason is not Reason.TABLE_FULL and total > min(self.allocator.nbytes,
+                                                                                 self.quota_nbytes)):
                         self.counters["allocation_failures"] += 1
                         raise
                     with self._waiting.waiting():
                         self._freed.wait(remaining)
-            response = pb.LoanResponse()
-            self.allocations.add_arena_loans(session, offsets, sizes, response)
-            self._note_allocations(len(sizes))
             return response
 
     def loan_dedicated(self, session_id: str, sizes: Sequence[int]) -> pb.LoanResponse:
@@ -275,7 +272,7 @@ class Registry:
                 self.counters["allocation_failures"] += 1
                 raise
             dedicated.nbytes += total
-            first = self.allocations.take_generations(len(sizes))
+            first = self.allocations.take_serials(len(sizes))
         segments = []
         try:
             segments = dedicated.create(first, sizes)
@@ -283,7 +280,6 @@ class Registry:
                 session = self._live_session(session_id)
                 response = pb.LoanResponse()
                 self.allocations.add_dedicated_loans(session, first, sizes, segments, response)
-                self._note_allocations(len(sizes))
                 self.counters["dedicated_total"] += len(sizes)
                 return response
         except BaseException:
@@ -363,54 +359,18 @@ class Registry:
         ttl_ms = ttl_ms or self.limits.default_lease_ttl_ms
         if ttl_ms > self.limits.max_lease_ttl_ms:
             raise InvalidArgument(f"ttl_ms={ttl_ms} exceeds the maximum {self.limits.max_lease_ttl_ms}")
-        # Objects of the object table are held with the daemon's proxy bit (the caller has no bit
-        # of its own); the rest are the registry's.
-        in_table = [i for i, h in enumerate(handles) if h.slot]
-        mine = [i for i, h in enumerate(handles) if not h.slot]
         with self._lock:
             session = self._live_session(session_id)
-            for i in in_table:
-                self._check_table_handle(handles[i])
-            tokens = [commit_tokens[i] for i in mine] if commit_tokens else []
-            objs = self.allocations.wait_committed([handles[i] for i in mine], tokens, commit_wait_s,
-                                                   self._lock) if mine else []
-            held = self.allocations.live_leases + (self.objects.proxy_leases if self.objects is not None else 0)
+            objs = self.allocations.wait_committed(handles, commit_tokens, commit_wait_s,
+                                                   self.limits.handoff_window_ms, self._lock)
+            held = self.allocations.live_leases
             if held + len(handles) > self.limits.quota_leases:
                 raise ResourceExhausted(
                     f"tenant lease quota exceeded: the tenant holds {held} leases, asks "
                     f"{len(handles)} more, quota {self.limits.quota_leases}",
                     Reason.QUOTA_EXCEEDED, field="handles", limit=self.limits.quota_leases,
                 )
-            lease_ids = [0] * len(handles)
-            try:
-                for i in in_table:
-                    lease_id = self.allocations.new_lease_id()
-                    self._table().proxy_acquire(session_id, handles[i], lease_id)
-                    lease_ids[i] = lease_id
-                    session.leases.add(lease_id)
-            except BaseException:
-                for i in in_table:
-                    if lease_ids[i]:
-                        self._table().proxy_release(lease_ids[i])
-                        session.leases.discard(lease_ids[i])
-                raise
-            expires_at = time.monotonic() + ttl_ms / 1000
-            for i, obj in zip(mine, objs):
-                lease_ids[i] = self.allocations.lease(session, obj, expires_at)
-            return lease_ids
-
-    def _check_table_handle(self, h: pb.Handle) -> None:
-        """A handle naming an object-table slot: of this instance, tenant and arena."""
-        self._check_instance_and_tenant(h)
-        if h.name != self.segment_name:
-            raise HandleError(f"an object-table handle names segment {h.name!r}, not this tenant's arena")
-        table = self._table()
-        if h.nbytes < 1 or h.offset + h.nbytes > self.allocator.nbytes:
-            raise HandleError(
-                f"offset {h.offset} + nbytes {h.nbytes} outside the arena of {self.allocator.nbytes} bytes",
-                Reason.OUT_OF_BOUNDS,
-            )
-        table.proxy_check(h)
+            return self.allocations.lease_all(session, handles, objs, time.monotonic() + ttl_ms / 1000)
 
     # -- both ------------------------------------------------------------------------------------
     def release(
@@ -432,19 +392,10 @@ class Registry:
             if piggybacked:
                 handles = book.still_held(session, handles)
                 lease_ids = [lease_id for lease_id in lease_ids if lease_id in session.leases]
-            if any(h.slot for h in handles):
-                raise InvalidArgument("objects of the object table are released in shared memory, not by RPC")
             objs = book.owned_for_release(session_id, handles)
             leases: list[LeaseRecord] = []
-            proxied = []
             for lease_id in lease_ids:
                 lease = book.lease_record(lease_id)
-                proxy = self.objects.proxy_lease(lease_id) if lease is None and self.objects is not None else None
-                if proxy is not None:
-                    if proxy.session_id != session_id:
-                        raise OwnershipError(f"lease {lease_id} belongs to another client")
-                    proxied.append(lease_id)
-                    continue
                 if lease is None:
                     if book.was_lease_id(lease_id):
                         raise StateError(f"lease {lease_id} already released or expired", Reason.DOUBLE_RELEASE)
@@ -458,23 +409,20 @@ class Registry:
                 book.release_producer_ref(obj, session)
             for lease in leases:
                 book.drop_lease(lease, session)
-            for lease_id in proxied:
-                self._table().proxy_release(lease_id)
-                session.leases.discard(lease_id)
 
     def expire(self, now: float | None = None) -> None:
         """Drop leases and holds whose deadline passed (the sweeper thread calls this)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self.allocations.expire(now)
-            if self.objects is not None:
-                self.objects.sweep(now, self._bytes_freed, _RATE_WINDOW_S)
+            self.objects.sweep(now, self._bytes_freed, _RATE_WINDOW_S, self.allocations.proxied_slots)
+            self.allocations.reclaim_dead()
 
     # -- introspection ---------------------------------------------------------------------------
     def _client_stats(self) -> list[pb.ClientStat]:
         """Each session's holdings: what the daemon books for it, and what it holds with its own
         bit in the object table."""
-        in_table = self.objects.session_holdings() if self.objects is not None else {}
+        in_table = self.objects.session_holdings()
         clients = []
         for s in self._sessions.values():
             t = in_table.get(s.session_id)
@@ -492,9 +440,7 @@ class Registry:
         with self._lock:
             now = time.monotonic()
             pid_of = {session_id: s.pid for session_id, s in self._sessions.items()}
-            infos = self.allocations.infos(now)
-            if self.objects is not None:
-                infos.extend(self.objects.list_objects())
+            infos = self.objects.list_objects(self.allocations.daemon_side(now))
             total = len(infos)
             infos.sort(key=lambda info: -info.nbytes)
             del infos[limit:]
@@ -509,18 +455,9 @@ class Registry:
     def stat(self) -> pb.StatResponse:
         """This tenant's state now: arena use, objects, leases, sessions, counters (saturated)."""
         with self._lock:
-            self._prune_rate_window(time.monotonic())
-            recent = len(self._alloc_times)
-            granted = self.objects.granted_nbytes if self.objects is not None else 0
-            table = dict.fromkeys(("objects", "nbytes", "leases", "handoff", "reclaimed_handoff_objects",
-                                   "reclaimed_handoff_nbytes", "allocations_total", "parked_nbytes",
-                                   "parked_grants_taken"), 0)
-            table_rate = 0.0
-            if self.objects is not None:
-                table.update(self.objects.snapshot(), **self.objects.counters,
-                             allocations_total=self.objects.allocations_total,
-                             parked_nbytes=self.objects.parked_nbytes)
-                table_rate = self.objects.allocation_rate(_RATE_WINDOW_S)
+            self.allocations.reclaim_dead()  # so its bytes agree with the table's objects
+            granted = self.objects.granted_nbytes
+            table = dict(self.objects.snapshot(), **self.objects.counters)
             clients = self._client_stats()
             quarantined = self.allocations.quarantined
             a = self.allocator
@@ -532,15 +469,15 @@ class Registry:
                 free_nbytes=a.free_nbytes,
                 largest_free_nbytes=a.largest_free_nbytes,
                 free_extents=a.free_extents,
-                live_objects=self.allocations.live_objects + table["objects"],
+                live_objects=table["objects"],
                 live_leases=self.allocations.live_leases + table["leases"],
                 granted_nbytes=granted,
-                parked_nbytes=table["parked_nbytes"],
+                parked_nbytes=self.objects.parked_nbytes,
                 parked_grants_taken=table["parked_grants_taken"],
                 table_objects=table["objects"],
                 handoff_objects=table["handoff"],
-                reclaimed_handoff_objects=c["reclaimed_handoff_objects"] + table["reclaimed_handoff_objects"],
-                reclaimed_handoff_nbytes=c["reclaimed_handoff_nbytes"] + table["reclaimed_handoff_nbytes"],
+                reclaimed_handoff_objects=table["reclaimed_handoff_objects"],
+                reclaimed_handoff_nbytes=table["reclaimed_handoff_nbytes"],
                 tenant=self.tenant,
                 quarantined_leases=quarantined[0],
                 quarantined_nbytes=quarantined[1],
@@ -549,8 +486,8 @@ class Registry:
                 quota_nbytes=self.quota_nbytes,
                 quota_leases=self.limits.quota_leases,
                 clients=clients,
-                allocations_total=c["allocations_total"] + table["allocations_total"],
-                allocations_per_s=recent / _RATE_WINDOW_S + table_rate,
+                allocations_total=self.objects.allocations_total,
+                allocations_per_s=self.objects.allocation_rate(_RATE_WINDOW_S),
                 reclaimed_ttl_nbytes=c["reclaimed_ttl_nbytes"],
                 reclaimed_ttl_leases=c["reclaimed_ttl_leases"],
                 reclaimed_death_nbytes=c["reclaimed_death_nbytes"],
@@ -567,29 +504,11 @@ class Registry:
             )
 
     # -- internals (lock held) -------------------------------------------------------------------
-    def _note_allocations(self, count: int) -> None:
-        """Count ``count`` allocations made now: in the total, and in the window of allocations_per_s."""
-        now = time.monotonic()
-        self._alloc_times.extend(itertools.repeat(now, count))
-        self._prune_rate_window(now)
-        self.counters["allocations_total"] += count
-
-    def _prune_rate_window(self, now: float) -> None:
-        times = self._alloc_times
-        while times and now - times[0] > _RATE_WINDOW_S:
-            times.popleft()
-
     def _check_batch(self, items: Sequence[object], what: str) -> None:
         if not items:
             raise InvalidArgument(f"{what} must not be empty")
         if len(items) > self.limits.max_batch:
             raise InvalidArgument(f"{what}: {len(items)} entries exceed the batch limit {self.limits.max_batch}")
-
-    def _table(self) -> ObjectBook:
-        """The object table, for a handle already checked to name one of its slots."""
-        if self.objects is None:
-            raise HandleError("the handle names an object-table slot; this daemon has no object table")
-        return self.objects
 
     def _live_session(self, session_id: str) -> Session:
         """The session of a call that loans, grants, commits, acquires or releases (marked

@@ -77,7 +77,7 @@ class Tenant:
     registry: Registry
     wait_slots: queue.SimpleQueue[None]
     calls: "CallShare"
-    objects: ObjectBook | None = None  # the tenant's object table, when the daemon keeps one
+    objects: ObjectBook  # the tenant's object table
 
     def __repr__(self) -> str:
         return f"Tenant({self.key}, {self.segment.name})"
@@ -418,21 +418,19 @@ class Daemon:
             max_hold_ms=cfg.max_hold_ms,
             handoff_window_ms=cfg.handoff_window_ms,
         )
-        # The table's words are changed with atomics only, so the daemon keeps one only where it
-        # has the C kernels; without them every object goes through the registry.
-        nslots = cfg.resolved_object_slots(arena_nbytes) if objtable.available() else 0
+        nslots = cfg.resolved_object_slots(arena_nbytes)
         wait_share = max(1, cfg.grpc_workers // 2 // len(specs))
         call_share = max(1, cfg.grpc_workers // len(specs))
         for index, (key, uid, gid) in enumerate(specs):
             base = shm_names.tenant_base(cfg.name_prefix, self.instance_id, index)
             segment = Segment.create_sealed(shm_names.arena_name(base), arena_nbytes)
-            objects = None
             created = [segment]
             try:
-                if nslots:
-                    for name in (shm_names.table_name(base), shm_names.holds_name(base)):
-                        created.append(Segment.create_sealed(name, objtable.table_nbytes(nslots)))
-                    objects = ObjectBook(created[1], created[2], nslots, cfg.handoff_window_ms, cfg.max_hold_ms)
+                for name in (shm_names.table_name(base), shm_names.holds_name(base)):
+                    created.append(Segment.create_sealed(name, objtable.table_nbytes(nslots)))
+                # Shared only where this process has the C kernels: clients change it with atomics.
+                objects = ObjectBook(created[1], created[2], nslots, cfg.handoff_window_ms, cfg.max_hold_ms,
+                                     shared=cfg.share_object_table)
             except BaseException:
                 for made in created:
                     made.unlink()
@@ -441,7 +439,7 @@ class Daemon:
             for _ in range(wait_share):
                 slots.put(None)
             registry = Registry(self.instance_id, segment.name, Allocator(arena_nbytes, cfg.page_align_min_nbytes),
-                                limits, reserve, _dedicated_owner(uid, gid), tenant=key, objects=objects)
+                                limits, objects, reserve, _dedicated_owner(uid, gid), tenant=key)
             self.tenants.append(Tenant(key, uid, gid, segment, registry, slots, CallShare(call_share), objects))
 
     def _tenant_of(self, uid: int, groups: Sequence[int]) -> Tenant | None:
@@ -466,7 +464,7 @@ class Daemon:
         hello = pb.SessionHello(instance_id=self.instance_id, segment_name=info.segment_name,
                                 arena_nbytes=info.nbytes, shm_namespace=info.shm_namespace, tenant=tenant.key)
         fds = [tenant.segment.open_fd(writable)]
-        if tenant.objects is not None:
+        if tenant.objects.shared:
             # Consumers write only the holds (their holder bits); the arena and the slots, which
             # say what everyone reads, stay read-only to them.
             objects = tenant.objects
@@ -573,10 +571,9 @@ class Daemon:
         for tenant in self.tenants:
             tenant.registry.unlink_dedicated()
             tenant.segment.unlink()
-            if tenant.objects is not None:
-                tenant.objects.close()
-                tenant.objects.slots_segment.unlink()
-                tenant.objects.holds_segment.unlink()
+            tenant.objects.close()
+            tenant.objects.slots_segment.unlink()
+            tenant.objects.holds_segment.unlink()
         if self._claim is not None:  # always: the claim comes first in start()
             self._claim.release()  # both sockets and the lock file; never another daemon's
 
@@ -601,8 +598,7 @@ class Daemon:
         """Every segment of this daemon: the tenants' arenas first (the default tenant's leading),
         then their object tables, then their dedicated segments."""
         names = [tenant.segment.name for tenant in self.tenants]
-        names += [s.name for t in self.tenants if t.objects is not None
-                  for s in (t.objects.slots_segment, t.objects.holds_segment)]
+        names += [s.name for t in self.tenants for s in (t.objects.slots_segment, t.objects.holds_segment)]
         return names + [name for tenant in self.tenants for name in tenant.registry.dedicated_names()]
 
     def __repr__(self) -> str:

@@ -157,7 +157,7 @@ class RemoteExtension:
         session_id = f"remote-{secrets.token_hex(6)}"
         token = secrets.token_hex(16)
         # pid 0: a remote peer. It copies the bytes out (no view), so its expired leases are reclaimed.
-        self.registry.open_session(session_id, 0, os.getuid(), quarantine_expired=False)
+        self.registry.open_session(session_id, 0, os.getuid(), quarantine_expired=False, holder_bit=False)
         with self._lock:
             self._tokens[token] = session_id
             self.sessions_total += 1

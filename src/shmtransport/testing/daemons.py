@@ -37,10 +37,7 @@ def copy_sealed_segments(daemon: "Daemon", directory: str) -> list[str]:
     this way); the files' paths."""
     paths = []
     for tenant in daemon.tenants:
-        segments = [tenant.segment]
-        if tenant.objects is not None:
-            segments += [tenant.objects.slots_segment, tenant.objects.holds_segment]
-        for segment in segments:
+        for segment in (tenant.segment, tenant.objects.slots_segment, tenant.objects.holds_segment):
             path = os.path.join(directory, segment.name)
             with open(segment.open_path, "rb") as source, open(path, "wb") as copy:
                 shutil.copyfileobj(source, copy, 1 << 20)
