@@ -41,7 +41,7 @@ GRANT_ACTIVE, GRANT_PARKED, GRANT_TAKEN = 0, 1, 2  # a grant's state, in its fir
 
 def slot_index(wire_slot: int) -> int:
     """The table index a handle's ``slot`` names: the wire counts from 1, so that 0 can mean
-    "not in the table" (an object the daemon keeps itself)."""
+    "names no slot" (every handle the daemon hands out names one; 0 is refused)."""
     return wire_slot - 1
 
 

@@ -1,5 +1,6 @@
-"""Releases a client owes the daemon for the objects the daemon keeps (the RPC path): producer
-references and lease ids, sent in batches with the client's next call or on their own."""
+"""Releases a client owes the daemon for the references the daemon holds for it (objects it
+placed, leases it holds with its proxy bit): producer references and lease ids, sent in batches
+with the client's next call or on their own."""
 from __future__ import annotations
 
 from typing import Iterable

@@ -2,7 +2,7 @@
 
 Clients with the C kernels loan, commit, acquire and release arena objects in the table alone
 (``shmtransport.objtable``). The daemon
-- gives each live session one holder bit (62 per tenant; later sessions use the RPC path);
+- gives each live session one holder bit (62 per tenant; later sessions go through the daemon);
 - grants producers space in large pieces: an arena byte range plus a range of slots, in which
   the producer places objects itself (``Grant``); a producer parks an empty grant it keeps, and
   the daemon takes parked grants back when another producer needs the space;
@@ -143,7 +143,8 @@ class ObjectBook:
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, session_id: str) -> int | None:
-        """The holder bit of a new session, or None when all are taken (it uses the RPC path)."""
+        """The holder bit of a new session, or None when all are taken (or the table is not shared:
+        its objects go through the daemon)."""
         if not self._free_bits:
             return None
         bit = self._free_bits.pop()
