@@ -8,6 +8,8 @@ outcome, and the daemon's live objects, against a model.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -255,3 +257,30 @@ def test_a_table_consumer_holds_an_object_the_daemon_placed_for_a_pure_python_pr
         lease.release()
         wait_until(lambda: daemon.stat().live_objects == 0, what="the janitor to reclaim the dead object")
         assert daemon.stat().used_nbytes == 0
+
+
+def _acquire_twice_in_pure_python(socket_path, handle_bytes):
+    from shmtransport.client import Handle
+
+    with Consumer(socket_path, timeout_s=TIMEOUT_S) as consumer:
+        handle = Handle.from_bytes(handle_bytes)
+        leases = [consumer.acquire(handle), consumer.acquire(handle)]  # the second finds the proxy bit set
+        assert all(lease.lease_id for lease in leases)
+        consumer.release(leases, wait=True)
+
+
+@pytest.mark.skipif(not objtable.available(), reason="needs a producer with the C kernels")
+def test_leases_the_daemon_holds_on_a_held_table_object_never_end_its_hold(daemon, monkeypatch):
+    """A table producer's object committed with a hold outlives every acquire and release until
+    the hold passes: the daemon's proxy leases on it (a first, then a second on the bit it already
+    holds) must not end it as they end a hand-off window."""
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        handle = producer.put(np.arange(4000, dtype=np.uint8), hold_ms=60_000)
+        monkeypatch.setenv("SHMTRANSPORT_BACKEND", "python")  # the spawned child's backend
+        run_in_child(_acquire_twice_in_pure_python, daemon.socket_path, handle.to_bytes(), timeout_s=TIMEOUT_S)
+        producer.release(handle, wait=True)
+    slot = handle.shm.slot - 1
+    assert daemon.stat().live_objects == 1  # only the hold keeps it now
+    assert int(daemon.registry.objects.table.holders[slot]) == objtable.HANDOFF
+    daemon.registry.expire(now=time.monotonic() + 61)  # the janitor, as of a minute later
+    wait_until(lambda: daemon.stat().live_objects == 0, what="the object freed once its hold passed")

@@ -30,7 +30,7 @@ import time
 from typing import Callable, Sequence
 
 from ..errors import HandleError, InvalidArgument, OwnershipError, Reason, StateError
-from ..objtable import OUTSIDE_ARENA, PROXY_BIT, SlotStatus, raise_for, wire_slot
+from ..objtable import HELD, OUTSIDE_ARENA, PROXY_BIT, SlotStatus, raise_for, wire_slot
 from ..v1 import daemon_pb2 as pb
 from .deadlines import Deadlines
 from .dedicated import DedicatedSegments
@@ -232,13 +232,12 @@ class AllocationBook:
         return [lease.lease_id for lease in taken]
 
     def _adopt(self, h: pb.Handle) -> Allocation:
-        """A record of the table producer's object ``h`` names, so a lease can be booked on it
-        (``_hold`` takes it with the proxy bit)."""
-        obj = Allocation(h.offset, h.nbytes, h.generation, "", self.table.slot_of(h), ObjState.COMMITTED,
-                         producer_ref=False, placed=False)
-        self._hold(obj)
-        self._objects[obj.key] = obj
-        return obj
+        """A record of the table producer's object ``h`` names, so a lease can be booked on it;
+        booked once ``_hold`` took it with the proxy bit."""
+        slot = self.table.slot_of(h)
+        held = int(self.table.table.columns["state"][slot]) == HELD  # its producer's word: only its tenant's
+        return Allocation(h.offset, h.nbytes, h.generation, "", slot, ObjState.COMMITTED, producer_ref=False,
+                          placed=False, held=held)
 
     def _hold(self, obj: Allocation) -> None:
         """Make sure the proxy bit holds ``obj`` for a new lease; the first acquire of a committed
@@ -254,9 +253,8 @@ class AllocationBook:
         # ALREADY: a client of the tenant wrote the proxy bit in; from now on it is this lease's.
         if status not in (SlotStatus.OK, SlotStatus.ALREADY):
             raise_for(status, obj.slot)
-        if status is SlotStatus.ALREADY and not obj.held:
-            self.table.table.expire(obj.slot, _FOREVER_NS)
         self._lingering.discard(obj.key)
+        self._objects.setdefault(obj.key, obj)  # a table producer's object is booked from now on
 
     def _lease(self, session: Session, obj: Allocation, expires_at: float) -> LeaseRecord:
         lease = LeaseRecord(self._next_lease_id, obj.key, obj.generation, session.session_id, expires_at)
