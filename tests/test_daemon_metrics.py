@@ -83,6 +83,7 @@ def test_metrics_endpoint_reports_arena_objects_leases_and_reclaim_counters(make
     with Producer(daemon.socket_path, timeout_s=10) as producer, Consumer(daemon.socket_path, timeout_s=10) as consumer:
         handle = producer.put(np.arange(4096, dtype=np.uint8))
         in_table = shared_table and objtable.available()  # placed by the producer itself (else by the daemon)
+        producer.stat()  # its Commit has landed (through the daemon it is sent without waiting)
         assert _scrape(port)["shmtransport_handoff_objects" + TENANT] == 1  # nobody acquired it yet
         lease = consumer.acquire(handle)
         held = _scrape(port)
