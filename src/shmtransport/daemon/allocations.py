@@ -86,11 +86,6 @@ class AllocationBook:
         """Leases past their TTL whose bytes are kept, and those bytes."""
         return len(self._quarantined), sum(self._quarantined.values())
 
-    @property
-    def dedicated_objects(self) -> int:
-        """Live dedicated segments (the table counts them too, but Stat reports them apart)."""
-        return len(self.dedicated.keys())
-
     def proxied_slots(self) -> set[int]:
         """The slots the proxy bit holds for a reference booked here."""
         return {obj.slot for obj in self._objects.values() if obj.referenced}

@@ -382,9 +382,10 @@ class ObjectBook:
         return min(int(self.table.columns["nbytes"][index]), grant.nbytes if grant is not None else 0)
 
     def _bounded_sizes(self, live: npt.NDArray[np.bool_] | npt.NDArray[np.intp]) -> npt.NDArray[np.uint64]:
-        """The sizes of the ``live`` slots' objects (a mask, or indices) for sums: the daemon's own for those it placed,
-        none larger than the largest grant for the others (their producers wrote them), so a
-        forged word cannot wrap a sum around (or push a counter past what Stat can carry)."""
+        """The sizes of the ``live`` slots' objects (a mask, or indices) for sums: the daemon's own
+        for those it placed, none larger than the largest grant for the others (their producers
+        wrote them), so a forged word cannot wrap a sum around (or push a counter past what Stat
+        can carry)."""
         largest = max((g.nbytes for g in self._grants.values()), default=0)
         placed = self._placed_nbytes[live]
         return np.where(placed != 0, placed, np.minimum(self.table.columns["nbytes"][live], np.uint64(largest)))
