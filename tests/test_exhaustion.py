@@ -98,6 +98,9 @@ def test_a_full_small_dev_shm_leaves_the_arena_whole_and_refuses_dedicated_segme
 
 
 MEMORY_LIMITED_SCRIPT = r"""
+import os, sys
+with open(sys.argv[1], "w") as procs:  # join the memory cgroup first (no preexec_fn: see worker.process)
+    procs.write(str(os.getpid()))
 from shmtransport import testing
 from shmtransport.errors import ResourceExhausted, Reason
 try:
@@ -135,14 +138,9 @@ def test_an_arena_above_the_memory_cgroups_headroom_is_refused_at_start_never_oo
     cgroup = _memory_cgroup(256 * MiB)
     if cgroup is None:
         pytest.skip("no writable memory cgroup here")
-
-    def enter() -> None:
-        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-
     try:
-        r = subprocess.run([sys.executable, "-c", MEMORY_LIMITED_SCRIPT], capture_output=True, text=True,
-                           timeout=60, cwd=HERE, preexec_fn=enter)
+        r = subprocess.run([sys.executable, "-c", MEMORY_LIMITED_SCRIPT, os.path.join(cgroup, "cgroup.procs")],
+                           capture_output=True, text=True, timeout=60, cwd=HERE)
     finally:
         os.rmdir(cgroup)
     assert r.returncode == 0, (r.returncode, r.stdout[-1000:], r.stderr[-3000:])

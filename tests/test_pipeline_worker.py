@@ -42,7 +42,12 @@ class Stack:
         self.prefix = prefix
         self.daemon_socket = os.path.join(tmp, "d.sock")
         self.daemon = start_daemon_process(self.daemon_socket, 256 << 20, prefix)
-        self.worker = self.start_worker("w.sock")
+        try:
+            self.worker = self.start_worker("w.sock")
+        except BaseException:  # a worker that did not start leaves no daemon running either
+            stop_process(self.daemon)
+            testing.remove_tree(tmp)
+            raise
 
     def start_worker(self, name: str, *, holding: bool = False) -> WorkerProcess:
         """``shmtransport worker``; ``holding``: ``holding_worker.py`` (the same worker with the lease hold)."""

@@ -68,9 +68,8 @@ class EngineServer:
     def launch(self) -> "EngineServer":
         """Start the process tree without waiting (several servers can then start side by side)."""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, env=self._env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(die_with_parent(self.argv), env=self._env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     def start(self, timeout_s: float = 300.0) -> "EngineServer":

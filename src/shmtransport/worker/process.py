@@ -1,7 +1,6 @@
 """Run the daemon and the worker server as child processes (demo, tests, benchmarks)."""
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import signal
@@ -17,14 +16,19 @@ from typing import Any
 _WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
-_PR_SET_PDEATHSIG = 1
+# The child arms its own parent-death signal, then execs the command: a ``preexec_fn`` would make
+# the parent fork() instead of vfork(), and in a process using gRPC, fork() runs gRPC's fork
+# handlers, which restart its poller threads in the child; the child then closes every fd before
+# exec, and about one start in fifty aborted on "epoll_wait error: Bad file descriptor".
+# PR_SET_PDEATHSIG (1) survives exec; a parent already gone before it was armed ends the child.
+_ARM_PARENT_DEATH = ("import ctypes,os,signal,sys;ctypes.CDLL(None).prctl(1,signal.SIGTERM);"
+                     "os.getppid()==int(sys.argv[1]) or os._exit(1);os.execv(sys.argv[2],sys.argv[2:])")
 
 
-def die_with_parent() -> None:
-    """``preexec_fn``: the child gets SIGTERM when the process that started it dies, however it dies
-    (a killed demo or test run must not leave a daemon or an engine running)."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that the child gets SIGTERM when this process dies, however it dies (a killed
+    demo or test run must not leave a daemon or an engine running). ``argv[0]`` is a path."""
+    return [sys.executable, "-S", "-c", _ARM_PARENT_DEATH, str(os.getpid()), *argv]
 
 
 def _wait_ready(proc: subprocess.Popen[str], what: str, timeout_s: float) -> str:
@@ -52,8 +56,7 @@ def start_daemon_process(socket_path: str, arena_nbytes: int, name_prefix: str,
     """A daemon started as a child (killed if this process dies), once it listens; raises after ``timeout_s``."""
     cmd = [sys.executable, "-m", "shmtransport", "daemon", "--socket", socket_path,
            "--arena-size", str(arena_nbytes), "--name-prefix", name_prefix, "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=die_with_parent)
+    proc = subprocess.Popen(die_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_ready(proc, "shmtransportd", timeout_s)
     return proc
 
@@ -128,8 +131,8 @@ class WorkerProcess:
                "--daemon-socket", daemon_socket, "--device", device, "--log-level", "WARNING", *extra_args]
         if max_inline_bytes is not None:
             cmd += ["--max-inline-bytes", str(max_inline_bytes)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**_WORKER_ENV, **os.environ, **(env or {})}, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(die_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**_WORKER_ENV, **os.environ, **(env or {})})
         self.ready_line = _wait_ready(self.proc, "shmtransport worker", timeout_s)
 
     @property
