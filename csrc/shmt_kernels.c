@@ -937,6 +937,190 @@ int32_t shmt_grant_cas(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * A producer's grant (see the header). After the header, five arrays: the free extents sorted by
+ * offset (ext_off/ext_len), the same sorted by (size, offset) (sz_len/sz_off: best fit is the
+ * first that fits), each slot's live object (live_off/live_len, len 0: none) and the ring of free
+ * slots. Finding is a bisection; inserting or removing moves an array's tail, as the Python
+ * allocator's lists do.
+ * ------------------------------------------------------------------------------------------- */
+#define SHMT_CACHE_LINE 64u
+#define SHMT_PAGE 4096u
+
+typedef struct {
+    uint64_t *ext_off, *ext_len, *sz_len, *sz_off, *live_off, *live_len;
+    uint32_t *ring;
+} shmt_grant_arrays;
+
+static shmt_grant_arrays shmt_grant_arrays_of(shmt_grant_space *g)
+{
+    shmt_grant_arrays a;
+    uint64_t *words = (uint64_t *)(g + 1);
+    a.ext_off = words;
+    a.ext_len = a.ext_off + g->cap;
+    a.sz_len = a.ext_len + g->cap;
+    a.sz_off = a.sz_len + g->cap;
+    a.live_off = a.sz_off + g->cap;
+    a.live_len = a.live_off + g->nslots;
+    a.ring = (uint32_t *)(a.live_len + g->nslots);
+    return a;
+}
+
+uint64_t shmt_grant_space_nbytes(uint32_t nslots)
+{
+    uint64_t cap = (uint64_t)nslots + 2;
+    return sizeof(shmt_grant_space) + cap * 4 * sizeof(uint64_t) + (uint64_t)nslots * (2 * sizeof(uint64_t) +
+                                                                                     sizeof(uint32_t));
+}
+
+static uint64_t shmt_round_up(uint64_t value, uint64_t align) { return (value + align - 1) / align * align; }
+
+/* First index of (len, off) pairs >= (len, off). */
+static uint32_t shmt_sz_lower(const shmt_grant_space *g, const shmt_grant_arrays *a, uint64_t len, uint64_t off)
+{
+    uint32_t lo = 0, hi = g->nfree;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (a->sz_len[mid] < len || (a->sz_len[mid] == len && a->sz_off[mid] < off)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* First index of free extents with offset >= off. */
+static uint32_t shmt_ext_lower(const shmt_grant_space *g, const shmt_grant_arrays *a, uint64_t off)
+{
+    uint32_t lo = 0, hi = g->nfree;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (a->ext_off[mid] < off) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static void shmt_grant_add_free(shmt_grant_space *g, shmt_grant_arrays *a, uint64_t off, uint64_t len)
+{
+    uint32_t n = g->nfree, i = shmt_ext_lower(g, a, off), j = shmt_sz_lower(g, a, len, off);
+    memmove(a->ext_off + i + 1, a->ext_off + i, (n - i) * sizeof(uint64_t));
+    memmove(a->ext_len + i + 1, a->ext_len + i, (n - i) * sizeof(uint64_t));
+    a->ext_off[i] = off;
+    a->ext_len[i] = len;
+    memmove(a->sz_len + j + 1, a->sz_len + j, (n - j) * sizeof(uint64_t));
+    memmove(a->sz_off + j + 1, a->sz_off + j, (n - j) * sizeof(uint64_t));
+    a->sz_len[j] = len;
+    a->sz_off[j] = off;
+    g->nfree = n + 1;
+}
+
+/* Remove the free extent at ext index i. */
+static void shmt_grant_remove_free(shmt_grant_space *g, shmt_grant_arrays *a, uint32_t i)
+{
+    uint32_t n = g->nfree, j = shmt_sz_lower(g, a, a->ext_len[i], a->ext_off[i]);
+    memmove(a->ext_off + i, a->ext_off + i + 1, (n - i - 1) * sizeof(uint64_t));
+    memmove(a->ext_len + i, a->ext_len + i + 1, (n - i - 1) * sizeof(uint64_t));
+    memmove(a->sz_len + j, a->sz_len + j + 1, (n - j - 1) * sizeof(uint64_t));
+    memmove(a->sz_off + j, a->sz_off + j + 1, (n - j - 1) * sizeof(uint64_t));
+    g->nfree = n - 1;
+}
+
+static void shmt_grant_note_largest(shmt_grant_space *g, const shmt_grant_arrays *a)
+{
+    g->largest = g->nfree ? a->sz_len[g->nfree - 1] : 0;
+}
+
+int32_t shmt_grant_space_init(shmt_grant_space *g, uint64_t base, uint64_t nbytes, uint32_t first_slot,
+                              uint32_t nslots, uint64_t page_align_min)
+{
+    if (!g || nbytes == 0 || nbytes % SHMT_PAGE || nslots == 0) return SHMT_EINVAL;
+    memset(g, 0, sizeof(*g));
+    g->base = base;
+    g->nbytes = nbytes;
+    g->page_align_min = page_align_min;
+    g->first_slot = first_slot;
+    g->nslots = nslots;
+    g->free_slots = nslots;
+    g->cap = nslots + 2;
+    shmt_grant_arrays a = shmt_grant_arrays_of(g);
+    memset(a.live_len, 0, nslots * sizeof(uint64_t));
+    for (uint32_t i = 0; i < nslots; i++) a.ring[i] = i;
+    shmt_grant_add_free(g, &a, 0, nbytes);
+    shmt_grant_note_largest(g, &a);
+    return SHMT_OK;
+}
+
+int32_t shmt_grant_place(shmt_grant_space *g, uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t nbytes,
+                         uint32_t bit, uint64_t *out)
+{
+    if (!g || !out || nbytes == 0) return SHMT_EINVAL;
+    uint64_t size = shmt_round_up(nbytes, SHMT_CACHE_LINE);
+    if (!g->free_slots || size > g->largest) return SHMT_GRANT_NO_ROOM;
+    uint64_t align = nbytes >= g->page_align_min ? SHMT_PAGE : SHMT_CACHE_LINE;
+    shmt_grant_arrays a = shmt_grant_arrays_of(g);
+    for (uint32_t j = shmt_sz_lower(g, &a, size, 0); j < g->nfree; j++) {
+        uint64_t ext_off = a.sz_off[j], ext_len = a.sz_len[j];
+        uint64_t start = shmt_round_up(ext_off, align);
+        if (start + size > ext_off + ext_len) continue; /* alignment padding did not fit: a larger one */
+        if (g->nfree + 1 > g->cap) return SHMT_GRANT_NO_ROOM; /* cannot happen: see cap */
+        uint32_t rel = a.ring[g->slot_head];
+        uint64_t generation = 0;
+        out[2] = (uint64_t)g->first_slot + rel;
+        int32_t rc = shmt_slot_publish(table, holds, nslots, out[2], g->base + start, nbytes, bit, &generation);
+        if (rc != SHMT_SLOT_OK) return rc;
+        g->slot_head = (g->slot_head + 1) % g->nslots;
+        g->free_slots--;
+        shmt_grant_remove_free(g, &a, shmt_ext_lower(g, &a, ext_off));
+        if (start > ext_off) shmt_grant_add_free(g, &a, ext_off, start - ext_off);
+        uint64_t tail = ext_off + ext_len - (start + size);
+        if (tail) shmt_grant_add_free(g, &a, start + size, tail);
+        shmt_grant_note_largest(g, &a);
+        a.live_off[rel] = start;
+        a.live_len[rel] = size;
+        g->used += size;
+        out[0] = g->base + start;
+        out[1] = generation;
+        return SHMT_OK;
+    }
+    return SHMT_GRANT_NO_ROOM;
+}
+
+int32_t shmt_grant_reclaim(shmt_grant_space *g, uint8_t *holds, uint64_t nslots, uint64_t index)
+{
+    if (!g || index < g->first_slot || index - g->first_slot >= g->nslots) return SHMT_GRANT_NOT_LIVE;
+    uint32_t rel = (uint32_t)(index - g->first_slot);
+    shmt_grant_arrays a = shmt_grant_arrays_of(g);
+    uint64_t start = a.live_off[rel], len = a.live_len[rel];
+    if (len == 0) return SHMT_GRANT_NOT_LIVE;
+    uint64_t *holders = shmt_holders_at(holds, nslots, index);
+    if (!holders) return SHMT_EINVAL;
+    if (shmt_load(holders) != 0) return SHMT_SLOT_ALREADY; /* still held: its bytes are not ours yet */
+    a.live_len[rel] = 0;
+    g->used -= len;
+    uint64_t end = start + len;
+    uint32_t i = shmt_ext_lower(g, &a, start);
+    if (i < g->nfree && a.ext_off[i] == end) { /* the next extent: merge */
+        end += a.ext_len[i];
+        shmt_grant_remove_free(g, &a, i);
+    }
+    if (i > 0 && a.ext_off[i - 1] + a.ext_len[i - 1] == start) { /* the previous one */
+        start = a.ext_off[i - 1];
+        shmt_grant_remove_free(g, &a, i - 1);
+    }
+    shmt_grant_add_free(g, &a, start, end - start);
+    shmt_grant_note_largest(g, &a);
+    a.ring[(g->slot_head + g->free_slots) % g->nslots] = rel;
+    g->free_slots++;
+    return SHMT_OK;
+}
+
+int32_t shmt_grant_release(shmt_grant_space *g, uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index,
+                           uint64_t generation, uint32_t bit, int32_t cancel_handoff, uint64_t *remaining)
+{
+    int32_t rc = shmt_slot_release(table, holds, nslots, index, generation, bit, cancel_handoff, remaining);
+    if (rc != SHMT_SLOT_OK || *remaining) return rc;
+    return shmt_grant_reclaim(g, holds, nslots, index);
+}
+
+/* ---------------------------------------------------------------------------------------------
  * The handle on the wire (see the header): protobuf's encoding of TensorHandle, a subset read.
  * ------------------------------------------------------------------------------------------- */
 enum { SHMT_WT_VARINT = 0, SHMT_WT_LEN = 2 };

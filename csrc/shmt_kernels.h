@@ -181,6 +181,47 @@ int32_t shmt_grant_cas(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t
                        uint64_t desired, uint64_t *observed);
 
 /* ---------------------------------------------------------------------------------------------
+ * A producer's grant, placed in by one native call: its free bytes (best fit, the very policy of
+ * shmtransport.allocator.Allocator, which tests/test_grant_space.py checks this against) and its
+ * free slots (reused first in, first out), in one block of shmt_grant_space_nbytes(nslots) bytes
+ * the producer allocates. Process-local: no other process ever sees it. Not thread-safe (the
+ * producer's lock serializes it).
+ * ------------------------------------------------------------------------------------------- */
+#define SHMT_GRANT_NO_ROOM (-30)  /* no free slot, or no free extent that fits: nothing taken */
+#define SHMT_GRANT_NOT_LIVE (-31) /* reclaim of a slot with no live object of this grant */
+
+typedef struct {
+    uint64_t base;           /* the grant's arena offset */
+    uint64_t nbytes;         /* its size, a multiple of 4096 */
+    uint64_t page_align_min; /* objects of this size or more start on a page */
+    uint64_t used;           /* bytes reserved by live objects, alignment padding included */
+    uint64_t largest;        /* the largest free extent */
+    uint32_t first_slot;     /* table index of the grant's first slot */
+    uint32_t nslots;
+    uint32_t free_slots;     /* slots free */
+    uint32_t slot_head;      /* the ring's oldest free slot */
+    uint32_t nfree;          /* free extents */
+    uint32_t cap;            /* room for free extents (nslots + 2: a live object splits at most one) */
+} shmt_grant_space;
+
+uint64_t shmt_grant_space_nbytes(uint32_t nslots);
+int32_t shmt_grant_space_init(shmt_grant_space *g, uint64_t base, uint64_t nbytes, uint32_t first_slot,
+                              uint32_t nslots, uint64_t page_align_min);
+/* Place one object of `nbytes` (>= 1): best-fit bytes and the oldest free slot, published there
+ * with `bit` (shmt_slot_publish). out[0] = arena offset, out[1] = generation, out[2] = table index
+ * (set too when the publish refuses). SHMT_GRANT_NO_ROOM, or the publish's refusal: nothing is
+ * taken either way. */
+int32_t shmt_grant_place(shmt_grant_space *g, uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t nbytes,
+                         uint32_t bit, uint64_t *out);
+/* The object in table index `index` died: its bytes and its slot go back to the grant.
+ * SHMT_SLOT_ALREADY (nothing changes) while anyone still holds it. */
+int32_t shmt_grant_reclaim(shmt_grant_space *g, uint8_t *holds, uint64_t nslots, uint64_t index);
+/* shmt_slot_release of the grant's object in `index`, then shmt_grant_reclaim when that left
+ * nobody holding it (*remaining == 0). */
+int32_t shmt_grant_release(shmt_grant_space *g, uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index,
+                           uint64_t generation, uint32_t bit, int32_t cancel_handoff, uint64_t *remaining);
+
+/* ---------------------------------------------------------------------------------------------
  * The handle on the wire: shmtransport.v1.TensorHandle (proto/shmtransport/v1/daemon.proto) in
  * protobuf's encoding, read and written without building protobuf objects (a handoff's hot path).
  *

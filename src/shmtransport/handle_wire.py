@@ -97,23 +97,24 @@ def write(name: bytes, offset: int, nbytes: int, owner_id: bytes, generation: in
           slot: int, dtype: bytes, shape: Sequence[int], digest: bytes, commit_token: bytes) -> bytes | None:
     """The wire form protobuf writes for these fields; None where the C writer does not run
     (no C kernels, a value past uint64 or a rank past 32)."""
-    if lib is None or len(shape) > 32:
+    ndim = len(shape)
+    if lib is None or ndim > 32:
         return None
+    name_len, owner_len, instance_len, dtype_len = len(name), len(owner_id), len(instance_id), len(dtype)
+    digest_len, token_len = len(digest), len(commit_token)
     # Every field's tag and length take at most 3 + 10 bytes; each dim at most 10.
-    cap = 13 * 12 + 10 * len(shape) + len(name) + len(owner_id) + len(instance_id) + len(dtype) + len(digest) \
-        + len(commit_token)
+    cap = 13 * 12 + 10 * ndim + name_len + owner_len + instance_len + dtype_len + digest_len + token_len
     out = getattr(_readers, "out", None)
-    if out is None or len(out[0]) < cap:
+    if out is None or out[2] < cap:
         buffer = bytearray(max(cap, 1024))
-        out = _readers.out = (buffer, ffi.from_buffer("uint8_t[]", buffer))
+        out = _readers.out = (buffer, ffi.from_buffer("uint8_t[]", buffer), len(buffer))
     try:
-        dims = _DIMS[len(shape)].pack(*shape)
-        n = lib.shmt_wire_write(out[1], cap, name, len(name), offset, nbytes, owner_id, len(owner_id), generation,
-                                instance_id, len(instance_id), slot, dtype, len(dtype), dims, len(shape), digest,
-                                len(digest), commit_token, len(commit_token))
+        n = lib.shmt_wire_write(out[1], cap, name, name_len, offset, nbytes, owner_id, owner_len, generation,
+                                instance_id, instance_len, slot, dtype, dtype_len, _DIMS[ndim].pack(*shape), ndim,
+                                digest, digest_len, commit_token, token_len)
     except (OverflowError, struct.error):  # a value protobuf would refuse too
         return None
-    return bytes(out[0][:n]) if n >= 0 else None
+    return ffi.buffer(out[1], n)[:] if n >= 0 else None
 
 
 def dtype_itemsize(name: str) -> int:

@@ -132,6 +132,48 @@ class _CSlots:
         return rc, int(out[0])
 
 
+class GrantSpace:
+    """A producer's grant, as the C kernels place in it (``shmt_grant_*``): its free bytes (the
+    best-fit policy of ``allocator.Allocator``, which tests check it against) and its free slots
+    (reused first in, first out), in process-local memory. ``ObjectTable.place_in`` places an
+    object there with one native call, ``release_in`` and ``reclaim_in`` give it back; only with
+    the C kernels (a client without them has no
+    table). Not thread-safe: the producer's lock serializes it."""
+
+    __slots__ = ("_memory", "_space", "nslots")
+
+    def __init__(self, offset: int, nbytes: int, first_slot: int, nslots: int, page_align_min: int = 64 * 1024):
+        """The grant of ``nbytes`` at arena ``offset`` with slots ``[first_slot, first_slot + nslots)``."""
+        from ._native import ffi, lib
+
+        self._memory = ffi.new("uint8_t[]", lib.shmt_grant_space_nbytes(nslots))
+        self._space = ffi.cast("shmt_grant_space *", self._memory)
+        self.nslots = nslots
+        if lib.shmt_grant_space_init(self._space, offset, nbytes, first_slot, nslots, page_align_min) != 0:
+            raise InvalidArgument(f"a grant of {nbytes} bytes and {nslots} slots")
+
+    @property
+    def largest_free_nbytes(self) -> int:
+        """The largest free extent: an upper bound on what one placement can get."""
+        return int(self._space.largest)
+
+    @property
+    def free_slots(self) -> int:
+        """Slots free for a placement."""
+        return int(self._space.free_slots)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes reserved by live objects, alignment padding included."""
+        return int(self._space.used)
+
+    @property
+    def empty(self) -> bool:
+        """Whether no object of the grant is alive."""
+        return int(self._space.free_slots) == self.nslots
+
+
+
 class ObjectTable:
     """A mapped table of ``nslots`` slots; thread-safe (every change is atomic), unless made with
     ``single_writer``.
@@ -165,10 +207,51 @@ class ObjectTable:
         self._ok(rc, index)
         return generation
 
+    def place_in(self, space: GrantSpace, nbytes: int, bit: int) -> tuple[int, int, int] | None:
+        """A new object of ``nbytes`` in the grant ``space`` (its bytes and its oldest free slot),
+        held by ``bit``: (arena offset, generation, table index); None when the grant has no room."""
+        kernels = self._kernels
+        if not isinstance(kernels, _CSlots) or not self.writable:
+            raise StateError("place_in: this process does not place objects in this table")
+        out = kernels._ffi.new("uint64_t[3]")
+        rc = kernels._lib.shmt_grant_place(space._space, kernels.slots, kernels.holds, self.nslots, nbytes, bit, out)
+        if rc == kernels._lib.SHMT_GRANT_NO_ROOM:
+            return None
+        self._ok(rc, int(out[2]))
+        return int(out[0]), int(out[1]), int(out[2])
+
+    def release_in(self, space: GrantSpace, index: int, generation: int, bit: int, cancel_handoff: bool) -> int:
+        """``release`` of an object of the grant ``space``; when it dies (0 holders left, the
+        result), its bytes and slot come back to the grant in the same native call."""
+        kernels = self._kernels
+        if not isinstance(kernels, _CSlots):
+            raise StateError("release_in: this process does not place objects in this table")
+        out = kernels._ffi.new("uint64_t[1]")
+        rc = kernels._lib.shmt_grant_release(space._space, kernels.slots, kernels.holds, self.nslots, index,
+                                             generation, bit, cancel_handoff, out)
+        if rc == kernels._lib.SHMT_GRANT_NOT_LIVE:
+            raise StateError(f"object slot {index}: no live object of this grant")
+        self._ok(rc, index)
+        return int(out[0])
+
+    def reclaim_in(self, space: GrantSpace, index: int) -> None:
+        """The object of the grant ``space`` in ``index`` died: its bytes and slot come back to the
+        grant. StateError while anyone still holds it, or when it is no live object of the grant."""
+        kernels = self._kernels
+        if not isinstance(kernels, _CSlots):
+            raise StateError("reclaim_in: this process does not place objects in this table")
+        rc = kernels._lib.shmt_grant_reclaim(space._space, kernels.holds, self.nslots, index)
+        if rc == kernels._lib.SHMT_GRANT_NOT_LIVE:
+            raise StateError(f"object slot {index}: no live object of this grant")
+        if rc:
+            raise_for(self._status(rc), index)
+
     def commit(self, index: int, generation: int, bit: int, deadline_ns: int, hold: bool = False) -> None:
         """Seal the loan in slot ``index``: its hand-off window (or hold) ends at ``deadline_ns``."""
         self._require_writable("commit")
-        self._ok(self._kernels.commit(index, generation, bit, deadline_ns, hold), index)
+        rc = self._kernels.commit(index, generation, bit, deadline_ns, hold)
+        if rc:
+            raise_for(self._status(rc), index)
 
     def acquire(self, index: int, generation: int, offset: int, nbytes: int, bit: int) -> SlotStatus:
         """Hold the committed object ``generation`` of slot ``index`` with ``bit``, if it is still

@@ -25,6 +25,7 @@ from ..objtable import slot_index, wire_slot
 from ..tensors import MAX_NBYTES, as_byte_array, dtype_name, tensor_nbytes
 from ..v1 import daemon_pb2 as pb
 from .session import _Client
+from .table import TableClient
 from .views import Loan
 
 
@@ -36,7 +37,7 @@ class Producer(_Client):
     _writable = True
     # The arena mapping these are of, its segment name, this session's id and the daemon
     # instance, encoded: the constant parts of a placed loan's handle on the wire.
-    _wire_ids: tuple[object, bytes, bytes, bytes] = (None, b"", b"", b"")
+    _wire_ids: tuple[object, tuple[str, str, str], tuple[bytes, bytes, bytes]] = (None, ("", "", ""), (b"", b"", b""))
 
     def __init__(
         self,
@@ -102,22 +103,24 @@ class Producer(_Client):
                 if exc.reason is not Reason.TABLE_FULL:
                     raise
                 return None  # no grant of slots left: the daemon's Loan waits for a slot (back-pressure)
-            mapping, hello = self._conn.mapping, self._conn.hello
+            mapping = self._conn.mapping
             if mapping is None:  # disconnected meanwhile (by another thread's failed call)
                 raise Unavailable("the daemon of this session is gone")
             if self._wire_ids[0] is not mapping:
-                self._wire_ids = (mapping, mapping.name.encode(), hello.session_id.encode(), hello.instance_id.encode())
-            _, name, owner, instance = self._wire_ids
+                hello = self._conn.hello
+                self._wire_ids = (mapping, (mapping.name, hello.session_id, hello.instance_id),
+                                  (mapping.name.encode(), hello.session_id.encode(), hello.instance_id.encode()))
+            _, (name, owner, instance), (name_b, owner_b, instance_b) = self._wire_ids
             loans = []
             for obj, (dt, shape, nbytes) in zip(placed, typed):
-                where = Where(mapping.name, obj.offset, obj.nbytes, hello.session_id, obj.generation, hello.instance_id,
-                              wire_slot(obj.slot))
+                offset, generation, slot = obj.offset, obj.generation, wire_slot(obj.slot)
+                where = Where(name, offset, obj.nbytes, owner, generation, instance, slot)
                 # The handle's wire form is written now, before the caller writes the bytes: after
                 # a large write this process's caches are cold, and the commit path that follows
                 # then costs what it touches.
-                wire = handle_wire.write(name, obj.offset, obj.nbytes, owner, obj.generation, instance,
-                                         where.slot, dt.encode(), shape, b"", b"")
-                memory = mapping.view(obj.offset, obj.nbytes)[:nbytes]
+                wire = handle_wire.write(name_b, offset, obj.nbytes, owner_b, generation, instance_b, slot,
+                                         dt.encode(), shape, b"", b"")
+                memory = mapping.view(offset, obj.nbytes)[:nbytes]
                 loans.append(Loan(self, Handle._of(where, wire, dt, shape), memory, (tables, obj)))
             self._schedule_flush()  # idle grants go back in the background
             return loans
@@ -310,35 +313,37 @@ class Producer(_Client):
     def _release_in_table(self, handles: list[Handle]) -> list[Handle]:
         """Release the handles of objects this producer placed in the table itself; the others
         (objects the daemon placed for it, or not its own: the daemon answers)."""
-        wheres = [h.where for h in handles]
-        if not any(w.slot for w in wheres):
+        if not any(h.where.slot for h in handles):
             return handles
-        rest: list[Handle] = []
         self._conn.ensure_recent()
         with self._lock:
             tables = self._table_client()
-            for h, w in zip(handles, wheres):
-                if not w.slot:
-                    rest.append(h)
-                    continue
-                if w.instance_id != self.instance_id:
-                    raise Unavailable(f"handle of daemon instance {w.instance_id!r}, connected to "
-                                      f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
-                slot = slot_index(w.slot)
-                if tables is None or not 0 <= slot < tables.table.nslots or tables.placed_by_daemon(slot):
-                    rest.append(h)  # the daemon's to answer
-                    continue
-                placed = tables.owned(slot, w.generation)
-                if placed is None:
-                    if w.owner_id == self._conn.hello.session_id and tables.placed_by_me(slot):
-                        raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)
-                    raise OwnershipError(f"{h!r} is not an object of this producer")
-                if (placed.offset, placed.nbytes) != (w.offset, w.nbytes):
-                    raise HandleError(f"{h!r} does not match the object in its slot "
-                                      f"([{placed.offset}, +{placed.nbytes}))", Reason.OUT_OF_BOUNDS)
-                tables.release_own(placed, cancel_handoff=True)
+            rest = [h for h in handles if not self._release_placed(tables, h)]
             self._schedule_flush()  # grants to give back once their objects die
         return rest
+
+    def _release_placed(self, tables: TableClient | None, h: Handle) -> bool:
+        """Drop this producer's reference to the object ``h`` names in its table (lock held);
+        False when it is not one this producer placed there (the daemon answers for it)."""
+        w = h.where
+        if not w.slot:
+            return False
+        if w.instance_id != self.instance_id:
+            raise Unavailable(f"handle of daemon instance {w.instance_id!r}, connected to "
+                              f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
+        slot = slot_index(w.slot)
+        if tables is None or not 0 <= slot < tables.table.nslots or tables.placed_by_daemon(slot):
+            return False
+        placed = tables.owned(slot, w.generation)
+        if placed is None:
+            if w.owner_id == self._conn.hello.session_id and tables.placed_by_me(slot):
+                raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)
+            raise OwnershipError(f"{h!r} is not an object of this producer")
+        if (placed.offset, placed.nbytes) != (w.offset, w.nbytes):
+            raise HandleError(f"{h!r} does not match the object in its slot "
+                              f"([{placed.offset}, +{placed.nbytes}))", Reason.OUT_OF_BOUNDS)
+        tables.release_own(placed, cancel_handoff=True)
+        return True
 
 
 def _loan_spec(nbytes: int | None, shape: Sequence[int] | None, dtype: Any) -> tuple[str, tuple[int, ...], int]:

@@ -268,9 +268,10 @@ class _Client:
     def _schedule_flush(self) -> None:
         """Ask the background thread for a flush: at once when many releases are queued, after
         ``release_delay_s`` for a few, now and then while grants may go back (lock held)."""
-        if len(self._pending) >= self.MAX_QUEUED_RELEASES:
+        queued = len(self._pending)
+        if queued >= self.MAX_QUEUED_RELEASES:
             self._background.within(0.0)
-        elif self._pending or self._deferred:
+        elif queued or self._deferred:
             self._background.within(self._release_delay_s)
         elif (tables := self._tables) is not None and tables.give_back and self._live_table(tables):
             self._background.within(0.0)

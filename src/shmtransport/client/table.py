@@ -17,19 +17,19 @@ consumer, never both: a producer's bit on an object is its reference, a consumer
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
 from typing import Callable
 
 from .. import handle_wire
-from ..allocator import PAGE, Allocator
+from ..allocator import PAGE
 from ..errors import InvalidArgument, Reason, ResourceExhausted, StateError
 from ..objtable import (
     GRANT_ACTIVE,
     GRANT_PARKED,
     PROXY_BIT,
+    GrantSpace,
     ObjectTable,
     SlotStatus,
     grant_word,
@@ -71,24 +71,18 @@ GrantCall = Callable[[int, int, list[int], int, bool], pb.GrantResponse]  # (nby
 GRANT_POLL_S = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Grant:
     grant_id: int
     offset: int
     nbytes: int
-    allocator: Allocator
+    space: GrantSpace  # its free bytes and free slots
     first_slot: int  # holds the grant's state word
-    free_slots: collections.deque[int]
-    nslots: int
     large: bool  # made for an object larger than a standard grant: holds one object at a time
     parked: bool = False  # empty, and the daemon may take it
 
-    @property
-    def empty(self) -> bool:
-        return len(self.free_slots) == self.nslots
 
-
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Placed:
     """One object this producer placed: where it is, and whether this producer still holds it."""
 
@@ -97,7 +91,6 @@ class Placed:
     offset: int  # arena offset
     nbytes: int
     grant: _Grant
-    local_offset: int
     held: bool = True  # this producer's bit is set
     committed: bool = False
     hold: bool = False  # committed with hold_ms: the hand-off bit stays until the hold ends
@@ -135,25 +128,32 @@ class TableClient:
         """Loans for every size, all or nothing; waits up to ``wait_s`` for space (back-pressure:
         freed by this producer's consumers or by other producers) before ResourceExhausted."""
         placed: list[Placed] = []
-        self._placed_at = time.monotonic()
-        deadline = self._placed_at + wait_s
+        deadline = time.monotonic() + wait_s
         try:
             for nbytes in sizes:
-                placed.append(self._place_one(nbytes, deadline))
+                placed.append(self.place_one(nbytes, deadline))
         except BaseException:
             for obj in placed:
                 self.release_own(obj, cancel_handoff=True)
             raise
         return placed
 
-    def _place_one(self, nbytes: int, deadline: float) -> Placed:
+    def place_one(self, nbytes: int, deadline: float) -> Placed:
+        """A loan of ``nbytes``, waiting until ``deadline`` (``time.monotonic``) for space."""
+        self._placed_at = time.monotonic()
+        obj = self._try_place(nbytes)  # a handoff's hot path: room in the newest grant
+        return obj if obj is not None else self._place_waiting(nbytes, deadline)
+
+    def _place_waiting(self, nbytes: int, deadline: float) -> Placed:
         attempts = itertools.count()
         while True:
             attempt = next(attempts)
-            obj = self._try_place(nbytes)
-            if obj is None:
-                self.collect()
+            if attempt:
                 obj = self._try_place(nbytes)
+                if obj is not None:
+                    return obj
+            self.collect()
+            obj = self._try_place(nbytes)
             if obj is not None:
                 return obj
             remaining = deadline - time.monotonic()
@@ -173,7 +173,7 @@ class TableClient:
 
     def _give_back_empty(self) -> bool:
         """Queue every empty grant for return (with the next Grant call); whether there was one."""
-        return self._give_back([grant for grant in self._grants if grant.empty])
+        return self._give_back([grant for grant in self._grants if grant.space.empty])
 
     def _give_back(self, grants: list[_Grant]) -> bool:
         """Queue these grants for return with the next Grant call; whether there was one."""
@@ -184,26 +184,20 @@ class TableClient:
 
     def _try_place(self, nbytes: int) -> Placed | None:
         oversized = nbytes > self.standard_grant_nbytes
-        for grant in reversed(self._grants[:]):  # a copy: a grant the daemon took is dropped on the way
-            if grant.large != oversized or not grant.free_slots or grant.allocator.largest_free_nbytes < nbytes:
+        for grant in reversed(self._grants):
+            space = grant.space
+            if grant.large != oversized or space.largest_free_nbytes < nbytes:
                 continue
-            if grant.large and (not grant.empty or 2 * nbytes <= grant.nbytes):
+            if grant.large and (not space.empty or 2 * nbytes <= grant.nbytes):
                 continue  # one object at a time, and not one that would leave most of it idle
             if grant.parked and not self._unpark(grant):
-                continue
-            try:
-                local = grant.allocator.allocate(nbytes)
-            except ResourceExhausted:
-                continue  # alignment can make the largest extent too small
-            slot = grant.free_slots.popleft()
-            try:
-                gen = self.table.publish(slot, grant.offset + local, nbytes, self.bit)
-            except BaseException:
-                grant.free_slots.appendleft(slot)
-                grant.allocator.free(local)
-                raise
+                return self._try_place(nbytes)  # the daemon took it (now dropped from the list): look again
+            placed = self.table.place_in(space, nbytes, self.bit)
+            if placed is None:
+                continue  # no free slot, or alignment made the largest extent too small
             _step("t_after_publish")
-            obj = Placed(slot, gen, grant.offset + local, nbytes, grant, local)
+            offset, generation, slot = placed
+            obj = Placed(slot, generation, offset, nbytes, grant)
             self._placed[slot] = obj
             return obj
         return None
@@ -211,14 +205,14 @@ class TableClient:
     def _new_grant(self, nbytes: int, wait_ms: int, retry: bool) -> None:
         oversized = nbytes > self.standard_grant_nbytes
         size = -(-nbytes // PAGE) * PAGE if oversized else self.standard_grant_nbytes
-        if not oversized and any(not g.large and not g.free_slots and g.allocator.largest_free_nbytes >= nbytes
+        if not oversized and any(not g.large and not g.space.free_slots and g.space.largest_free_nbytes >= nbytes
                                  for g in self._grants):
             self._slot_per_nbytes = max(MIN_SLOT_PER_NBYTES, self._slot_per_nbytes // 4)  # slots ran out first
         nslots = MIN_GRANT_SLOTS if oversized else max(MIN_GRANT_SLOTS, size // self._slot_per_nbytes)
         # Given back once sent, whatever the reply: the daemon applies returns before it allocates
         # (and orphans every grant of a session that ends anyway).
         if oversized:  # spare large grants that did not fit go back first, so the daemon has their space
-            self._give_back([g for g in self._grants if g.large and g.empty])
+            self._give_back([g for g in self._grants if g.large and g.space.empty])
         give_back, self.give_back = self.give_back, []
         try:
             response = self._grant_rpc(size, nslots, give_back, wait_ms, retry)
@@ -230,9 +224,8 @@ class TableClient:
             size = min(size, -(-small // PAGE) * PAGE)
             response = self._grant_rpc(size, MIN_GRANT_SLOTS, [], wait_ms, retry)
         _step("t_after_grant")
-        slots = collections.deque(range(response.first_slot, response.first_slot + response.nslots))
-        self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes,
-                                   Allocator(response.nbytes), response.first_slot, slots, response.nslots,
+        space = GrantSpace(response.offset, response.nbytes, response.first_slot, response.nslots)
+        self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes, space, response.first_slot,
                                    oversized))
 
     def _park(self, grant: _Grant) -> None:
@@ -276,11 +269,11 @@ class TableClient:
         if not obj.held:
             raise StateError(f"object in slot {obj.slot} already released", Reason.DOUBLE_RELEASE)
         cancel = not obj.committed or (cancel_handoff and not obj.hold)
-        remaining = self.table.release(obj.slot, obj.generation, self.bit, cancel)
+        remaining = self.table.release_in(obj.grant.space, obj.slot, obj.generation, self.bit, cancel)
         _step("t_after_release")
         obj.held = False
         if remaining == 0:
-            self._reclaim(obj)
+            self._forget(obj)  # its bytes and slot came back in the same call
         else:
             self._released[obj.slot] = obj
 
@@ -292,11 +285,12 @@ class TableClient:
         for obj in list(self._released.values()):
             if holders[obj.slot] == 0:
                 freed += obj.nbytes
-                self._reclaim(obj)
+                self.table.reclaim_in(obj.grant.space, obj.slot)
+                self._forget(obj)
         if time.monotonic() - self._placed_at < IDLE_PARK_S:
             return freed
         for grant in self._grants:
-            if grant.empty and not grant.parked:
+            if grant.space.empty and not grant.parked:
                 self._park(grant)
         return freed
 
@@ -312,15 +306,15 @@ class TableClient:
                 return True
         return False
 
-    def _reclaim(self, obj: Placed) -> None:
+    def _forget(self, obj: Placed) -> None:
+        """``obj`` died and its grant has its bytes and slot back (reused first in, first out: a
+        slot's next generation comes late)."""
         del self._placed[obj.slot]
         self._released.pop(obj.slot, None)
-        obj.grant.allocator.free(obj.local_offset)
-        obj.grant.free_slots.append(obj.slot)  # FIFO reuse: a slot's next generation comes late
         if obj.grant.large:
             # One spare large grant saves the next large object a round trip; more would only
             # keep arena space from other producers.
-            spares = [g for g in self._grants if g.large and g.empty]
+            spares = [g for g in self._grants if g.large and g.space.empty]
             self._give_back(sorted(spares, key=lambda g: g.nbytes)[:-1])
 
     # -- consumer --------------------------------------------------------------------------------
