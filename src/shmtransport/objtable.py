@@ -248,7 +248,8 @@ class ObjectTable:
 
     def commit(self, index: int, generation: int, bit: int, deadline_ns: int, hold: bool = False) -> None:
         """Seal the loan in slot ``index``: its hand-off window (or hold) ends at ``deadline_ns``."""
-        self._require_writable("commit")
+        if not self.writable:
+            self._require_writable("commit")
         rc = self._kernels.commit(index, generation, bit, deadline_ns, hold)
         if rc:
             raise_for(self._status(rc), index)

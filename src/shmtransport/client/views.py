@@ -48,6 +48,8 @@ class LoanOwner(ViewOwner, Protocol):
                     wait: bool = False) -> list[Handle]:
         """See ``Producer.commit_many``."""
 
+    def _commit_placed(self, loan: Loan, hold_ms: int) -> Handle: ...
+
 
 class LeaseOwner(ViewOwner, Protocol):
     """A ``Consumer``, as its leases see it."""
@@ -118,12 +120,6 @@ class View:
         """Once released and unviewed: drop our slice so the process mapping can be unmapped."""
         self._memory = None
 
-    def _seal(self) -> None:
-        """Committed: no new views; our slice goes as soon as no caller view needs it."""
-        self._sealed = True
-        self._array = None
-        if not self._views_alive():
-            self._forget_memory()
 
     def release(self) -> None:
         """Give the bytes back (each kind of view says how)."""
@@ -166,6 +162,8 @@ class Loan(View):
 
         Raises ClosedError (released), StateError (already committed), Unavailable (the daemon
         restarted under the loan)."""
+        if self._placed is not None and not digest:  # a handoff's hot path: the same checks, fewer steps
+            return self._client._commit_placed(self, hold_ms)
         return self._client.commit_many([self], digest=digest, hold_ms=hold_ms, wait=wait)[0]
 
     def _seal(self) -> None:
@@ -177,9 +175,12 @@ class Loan(View):
             # Dropped before the check: our own cached array is no caller's view, and protecting
             # costs ~0.1 ms of page-table work here and again when the range is loaned next.
             self._array = None
-        if self._memory is not None and self._views_alive():
-            arena.protect(self._memory)
-        super()._seal()
+        self._sealed = True
+        if self._roots and self._views_alive():
+            if self._memory is not None:
+                arena.protect(self._memory)
+        else:
+            self._memory = None  # no caller view needs our slice: the mapping may go
 
     def release(self) -> None:
         """Give the loan back without committing (or drop the producer reference after commit)."""
