@@ -62,7 +62,7 @@ class Producer(_Client):
              dedicated: bool = False) -> Loan:
         """Writable shared memory for one tensor: ``loan(nbytes)`` (uint8) or ``loan(shape=, dtype=)``
         (both given, or InvalidArgument)."""
-        return self.loan_many([(nbytes, shape, dtype)], dedicated=dedicated)[0]
+        return self._loans([_loan_spec(nbytes, shape, dtype)], dedicated)[0]
 
     def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]],
                   *, dedicated: bool = False) -> list[Loan]:
@@ -73,6 +73,9 @@ class Producer(_Client):
         typed = [_loan_spec(*spec) for spec in specs]
         if not typed:
             raise InvalidArgument("nbytes must not be empty")
+        return self._loans(typed, dedicated)
+
+    def _loans(self, typed: list[tuple[str, tuple[int, ...], int]], dedicated: bool) -> list[Loan]:
         if not dedicated:
             loans = self._place(typed)
             if loans is not None:
@@ -91,14 +94,18 @@ class Producer(_Client):
     def _place(self, typed: list[tuple[str, tuple[int, ...], int]]) -> list[Loan] | None:
         """Loans placed in this producer's own grants (the object table): no daemon involved
         unless a new grant is needed. None when this session has no table."""
-        self._before_call("Loan")
+        if self._closed or self._deferred or self._pending_commits:
+            self._before_call("Loan")
         self._conn.ensure_recent()
         with self._lock:
             tables = self._table_client()
             if tables is None:
                 return None
             try:
-                placed = tables.place([max(nbytes, 1) for _, _, nbytes in typed], self.alloc_wait_s)
+                if len(typed) == 1:  # (a handoff's hot path)
+                    placed = [tables.place_one(max(typed[0][2], 1), wait_s=self.alloc_wait_s)]
+                else:
+                    placed = tables.place([max(nbytes, 1) for _, _, nbytes in typed], self.alloc_wait_s)
             except ResourceExhausted as exc:
                 if exc.reason is not Reason.TABLE_FULL:
                     raise
@@ -122,7 +129,8 @@ class Producer(_Client):
                                          dt.encode(), shape, b"", b"")
                 memory = mapping.view(offset, obj.nbytes)[:nbytes]
                 loans.append(Loan(self, Handle._of(where, wire, dt, shape), memory, (tables, obj)))
-            self._schedule_flush()  # idle grants go back in the background
+            if tables.give_back or not self._background.pending:
+                self._schedule_flush()  # idle grants go back in the background
             return loans
 
     def commit_many(

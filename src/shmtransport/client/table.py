@@ -138,11 +138,14 @@ class TableClient:
             raise
         return placed
 
-    def place_one(self, nbytes: int, deadline: float) -> Placed:
-        """A loan of ``nbytes``, waiting until ``deadline`` (``time.monotonic``) for space."""
-        self._placed_at = time.monotonic()
+    def place_one(self, nbytes: int, deadline: float | None = None, wait_s: float = 0.0) -> Placed:
+        """A loan of ``nbytes``, waiting until ``deadline`` (``time.monotonic``; default: ``wait_s``
+        from now) for space."""
+        self._placed_at = now = time.monotonic()
         obj = self._try_place(nbytes)  # a handoff's hot path: room in the newest grant
-        return obj if obj is not None else self._place_waiting(nbytes, deadline)
+        if obj is not None:
+            return obj
+        return self._place_waiting(nbytes, now + wait_s if deadline is None else deadline)
 
     def _place_waiting(self, nbytes: int, deadline: float) -> Placed:
         attempts = itertools.count()
@@ -186,16 +189,20 @@ class TableClient:
         oversized = nbytes > self.standard_grant_nbytes
         for grant in reversed(self._grants):
             space = grant.space
-            if grant.large != oversized or space.largest_free_nbytes < nbytes:
+            if grant.large != oversized:
                 continue
             if grant.large and (not space.empty or 2 * nbytes <= grant.nbytes):
                 continue  # one object at a time, and not one that would leave most of it idle
-            if grant.parked and not self._unpark(grant):
-                return self._try_place(nbytes)  # the daemon took it (now dropped from the list): look again
-            placed = self.table.place_in(space, nbytes, self.bit)
+            if grant.parked:
+                if space.largest_free_nbytes < nbytes:
+                    continue  # left parked: it could not take this object anyway
+                if not self._unpark(grant):
+                    return self._try_place(nbytes)  # the daemon took it (now dropped from the list): look again
+            placed = self.table.place_in(space, nbytes, self.bit)  # (it says when the grant has no room)
             if placed is None:
-                continue  # no free slot, or alignment made the largest extent too small
-            _step("t_after_publish")
+                continue
+            if fault_point is not None:  # (inline: a handoff's hot path)
+                fault_point("t_after_publish")
             offset, generation, slot = placed
             obj = Placed(slot, generation, offset, nbytes, grant)
             self._placed[slot] = obj
@@ -252,9 +259,11 @@ class TableClient:
         if obj.committed:
             raise StateError(f"object in slot {obj.slot} is already committed")
         window_ns = hold_ms * 1_000_000 if hold_ms else self.handoff_window_ns
-        _step("t_before_commit")
+        if fault_point is not None:
+            fault_point("t_before_commit")
         self.table.commit(obj.slot, obj.generation, self.bit, time.monotonic_ns() + window_ns, hold=bool(hold_ms))
-        _step("t_after_commit")
+        if fault_point is not None:
+            fault_point("t_after_commit")
         obj.committed, obj.hold = True, bool(hold_ms)
 
     def owned(self, slot: int, generation: int) -> Placed | None:
@@ -270,7 +279,8 @@ class TableClient:
             raise StateError(f"object in slot {obj.slot} already released", Reason.DOUBLE_RELEASE)
         cancel = not obj.committed or (cancel_handoff and not obj.hold)
         remaining = self.table.release_in(obj.grant.space, obj.slot, obj.generation, self.bit, cancel)
-        _step("t_after_release")
+        if fault_point is not None:
+            fault_point("t_after_release")
         obj.held = False
         if remaining == 0:
             self._forget(obj)  # its bytes and slot came back in the same call
@@ -360,7 +370,8 @@ class TableClient:
         count = self._leases.get(key, 0)
         if status is not SlotStatus.OK and not (status is SlotStatus.ALREADY and count):
             raise_for(status, key[0])
-        _step("t_after_acquire")
+        if fault_point is not None:  # (inline: a handoff's hot path)
+            fault_point("t_after_acquire")
         self._leases[key] = count + 1
         return head, reader.shape(head[-1])
 
@@ -376,7 +387,8 @@ class TableClient:
             return
         del self._leases[key]
         self.table.release(slot, generation, self.bit)
-        _step("t_after_release")
+        if fault_point is not None:
+            fault_point("t_after_release")
 
     @property
     def lease_count(self) -> int:

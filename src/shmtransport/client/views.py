@@ -110,7 +110,10 @@ class View:
         return root
 
     def _views_alive(self) -> bool:
-        return any(ref() is not None for ref in self._roots)
+        for ref in self._roots:  # (a loop, not any(): this runs on every release and commit)
+            if ref() is not None:
+                return True
+        return False
 
     def _detach_views(self) -> None:
         self._released = True
@@ -229,8 +232,8 @@ class Lease(View):
         return to_torch(self._private, self.handle.dtype)
 
     def _detach_views(self) -> None:
-        super()._detach_views()
-        self._private = None
+        self._released = True
+        self._array = self._private = None
 
     def verify(self) -> None:
         """Recompute the content digest from shared memory; IdentityMismatch when it differs."""
