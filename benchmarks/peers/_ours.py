@@ -33,7 +33,7 @@ def client():
     return mod
 
 
-def _daemon_main(socket_path: str, arena_nbytes: int, conn) -> None:
+def _daemon_main(socket_path: str, arena_nbytes: int, object_slots: int | None, conn) -> None:
     import multiprocessing as mp
     import traceback
 
@@ -41,7 +41,7 @@ def _daemon_main(socket_path: str, arena_nbytes: int, conn) -> None:
     try:
         from shmtransport.daemon import Daemon
 
-        daemon = Daemon(socket_path=socket_path, arena_nbytes=arena_nbytes)
+        daemon = Daemon(socket_path=socket_path, arena_nbytes=arena_nbytes, object_slots=object_slots)
         daemon.start()
         conn.send(("ready", int(getattr(daemon, "pid", None) or os.getpid())))
         parent = mp.parent_process()
@@ -69,9 +69,11 @@ def _daemon_main(socket_path: str, arena_nbytes: int, conn) -> None:
 class DaemonProcess:
     """shmtransportd in a spawned process; ``pid`` is the process whose RSS is reported."""
 
-    def __init__(self, socket_path: str, arena_nbytes: int):
+    def __init__(self, socket_path: str, arena_nbytes: int, object_slots: int | None = None):
+        """``object_slots``: the tenant's object table (None: the daemon's default for the arena)."""
         self.socket_path = socket_path
         self.arena_nbytes = arena_nbytes
+        self.object_slots = object_slots
         self.proc = None
         self.conn = None
         self.pid: int | None = None
@@ -79,7 +81,7 @@ class DaemonProcess:
     def start(self) -> "DaemonProcess":
         parent, child = CTX.Pipe(duplex=True)
         self.proc = CTX.Process(target=_daemon_main, name="shmtransportd",
-                                args=(self.socket_path, self.arena_nbytes, child), daemon=True)
+                                args=(self.socket_path, self.arena_nbytes, self.object_slots, child), daemon=True)
         self.proc.start()
         child.close()
         self.conn = parent
