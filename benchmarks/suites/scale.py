@@ -546,8 +546,10 @@ def daemon_vs_leases(report: Report, counts: tuple[int, ...], lifecycles: int, w
     small = payload(4 * KiB, SEED + 7)
     small_digest = digest_of(small)
     arena = max(counts) * 128 + 64 * MiB
-    # Every held object is in the table: room for all of them, and the lifecycles measured beside.
-    with _ours.DaemonProcess(os.path.join(workdir, "leases.sock"), arena, object_slots=2 * max(counts)) as daemon:
+    # Every held object is in the table: room for all of them and for the lifecycles measured
+    # beside (never fewer slots than the largest default table, which grants of any density fit).
+    slots = max(2 * max(counts), 65536)
+    with _ours.DaemonProcess(os.path.join(workdir, "leases.sock"), arena, object_slots=slots) as daemon:
         opts = {"timeout_s": 60.0}
         holder_p = client.Producer(daemon.socket_path, **opts)
         holder_c = client.Consumer(daemon.socket_path, **opts)
