@@ -94,7 +94,7 @@ class Producer(_Client):
     def _place(self, typed: list[tuple[str, tuple[int, ...], int]]) -> list[Loan] | None:
         """Loans placed in this producer's own grants (the object table): no daemon involved
         unless a new grant is needed. None when this session has no table."""
-        if self._closed or self._deferred or self._pending_commits:
+        if self._closed or self._deferred or self._pending_commits:  # what _before_call acts on; else a no-op
             self._before_call("Loan")
         self._conn.ensure_recent()
         with self._lock:
