@@ -69,4 +69,4 @@ proto: setup
 	$(PY) tools/protogen.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info src/shmtransport/_shmt_c*.so src/shmtransport/_shmt_c.c
+	rm -rf $(VENV) build dist src/*.egg-info src/shmtransport/_shmt_*.so src/shmtransport/_shmt_c.c

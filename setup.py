@@ -1,14 +1,16 @@
 """Build hooks pyproject.toml cannot express; everything else lives in pyproject.toml.
 
-- cffi's out-of-line API-mode build (``cffi_modules``) of the C kernels, as an optional extension:
-  without a working C compiler the install still succeeds, with a warning, and the package runs on
-  its pure-Python kernels (``shmtransport.BACKEND == "python"``).
+- cffi's out-of-line API-mode build (``cffi_modules``) of the C kernels, and the object table's
+  fast lane (``_shmt_lane``), as optional extensions: without a working C compiler the install
+  still succeeds, with a warning, and the package runs on its pure-Python kernels
+  (``shmtransport.BACKEND == "python"``).
 - The .proto files ship in the wheel under ``shmtransport/proto/``, import paths intact.
-- The extension uses only the stable ABI, so the wheel is tagged abi3 (one wheel for 3.10+).
+- The extensions use only the stable ABI, so the wheel is tagged abi3 (one wheel for 3.10+).
 - Platforms the transport cannot work on are refused here, before anything is compiled.
 """
 import os
 import pathlib
+import re
 import sys
 
 SUPPORTED = "Linux on little-endian CPUs (x86_64, aarch64), CPython 3.10 or later"
@@ -29,7 +31,7 @@ def _refuse_unsupported_platform() -> None:
 
 _refuse_unsupported_platform()  # before setuptools or cffi get a chance to fail less clearly
 
-from setuptools import setup  # noqa: E402
+from setuptools import Extension, setup  # noqa: E402
 from setuptools.command.build_ext import build_ext  # noqa: E402
 from setuptools.command.build_py import build_py  # noqa: E402
 
@@ -60,7 +62,28 @@ class WithProtos(build_py):
             self.copy_file(str(source), str(target))
 
 
+def _package_version() -> str:
+    match = re.search(r'^version = "([^"]+)"', pathlib.Path("pyproject.toml").read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("no version in pyproject.toml")
+    return match.group(1)
+
+
+# The client's fast lane into the object table (csrc/shmt_lane_py.c): a small CPython-API module,
+# since each step of a handoff must build its Python results in C (a cffi call's unpacking costs
+# more than the step). It compiles the kernels it needs into itself.
+LANE = Extension(
+    "shmtransport._shmt_lane",
+    sources=["csrc/shmt_lane_py.c"],
+    include_dirs=["csrc"],
+    depends=["csrc/shmt_kernels.c", "csrc/shmt_kernels.h"],
+    define_macros=[("SHMT_PACKAGE_VERSION", f'"{_package_version()}"')],
+    extra_compile_args=["-O3", "-std=c11", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"],
+    py_limited_api=True,
+)
+
 setup(
+    ext_modules=[LANE],
     cffi_modules=["csrc/build_native.py:ffibuilder"],
     cmdclass={"build_ext": OptionalKernels, "build_py": WithProtos},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

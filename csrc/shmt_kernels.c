@@ -1373,3 +1373,199 @@ int32_t shmt_wire_acquire(const uint8_t *buf, uint64_t nbytes, const uint8_t *na
         return SHMT_WIRE_OTHER;
     return shmt_slot_acquire(table, holds, nslots, out->slot - 1, out->generation, out->offset, out->nbytes, bit);
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * A client's fast lane (see the header).
+ * ------------------------------------------------------------------------------------------- */
+struct shmt_lane {
+    uint8_t *table;
+    uint8_t *holds;
+    uint64_t nslots;
+    uint64_t arena_nbytes;
+    uint32_t bit;
+    uint32_t lock;   /* guards leases and the counts below */
+    uint64_t leases; /* counted now */
+    uint64_t name_len, owner_len, instance_len;
+    uint8_t name[SHMT_LANE_ID_MAX], owner[SHMT_LANE_ID_MAX], instance[SHMT_LANE_ID_MAX];
+    /* then, per slot: the generation counted, and how many leases on it (0: none) */
+};
+
+static uint64_t *shmt_lane_gens(shmt_lane *lane) { return (uint64_t *)(lane + 1); }
+static uint32_t *shmt_lane_counts(shmt_lane *lane) { return (uint32_t *)(shmt_lane_gens(lane) + lane->nslots); }
+
+uint64_t shmt_lane_nbytes(uint64_t nslots) { return sizeof(shmt_lane) + nslots * (sizeof(uint64_t) + sizeof(uint32_t)); }
+
+int32_t shmt_lane_init(shmt_lane *lane, uint8_t *table, uint8_t *holds, uint64_t nslots, uint32_t bit,
+                       const uint8_t *name, uint64_t name_len, const uint8_t *owner, uint64_t owner_len,
+                       const uint8_t *instance, uint64_t instance_len, uint64_t arena_nbytes)
+{
+    if (!lane || !shmt_aligned(table) || !shmt_aligned(holds) || name_len > SHMT_LANE_ID_MAX ||
+        owner_len > SHMT_LANE_ID_MAX || instance_len > SHMT_LANE_ID_MAX || bit > SHMT_HOLDER_PROXY ||
+        (name_len && !name) || (owner_len && !owner) || (instance_len && !instance))
+        return SHMT_EINVAL;
+    lane->table = table;
+    lane->holds = holds;
+    lane->nslots = nslots;
+    lane->arena_nbytes = arena_nbytes;
+    lane->bit = bit;
+    lane->name_len = name_len;
+    lane->owner_len = owner_len;
+    lane->instance_len = instance_len;
+    if (name_len) memcpy(lane->name, name, name_len);
+    if (owner_len) memcpy(lane->owner, owner, owner_len);
+    if (instance_len) memcpy(lane->instance, instance, instance_len);
+    return SHMT_OK;
+}
+
+int32_t shmt_lane_place(shmt_lane *lane, shmt_grant_space *g, uint64_t nbytes, const uint8_t *dtype,
+                        uint64_t dtype_len, const uint8_t *shape, uint64_t ndim, uint64_t *out, uint8_t *wire,
+                        uint64_t cap)
+{
+    if (!lane || !out) return SHMT_EINVAL;
+    int32_t rc = shmt_grant_place(g, lane->table, lane->holds, lane->nslots, nbytes, lane->bit, out);
+    if (rc != SHMT_OK) return rc;
+    out[3] = 0;
+    if (!wire) return SHMT_OK;
+    int64_t n = shmt_wire_write(wire, cap, lane->name, lane->name_len, out[0], nbytes, lane->owner,
+                                lane->owner_len, out[1], lane->instance, lane->instance_len, out[2] + 1, dtype,
+                                dtype_len, shape, ndim, NULL, 0, NULL, 0);
+    if (n < 0) { /* the object goes back: it was never anyone's but ours */
+        uint64_t remaining;
+        shmt_grant_release(g, lane->table, lane->holds, lane->nslots, out[2], out[1], lane->bit, 1, &remaining);
+        return SHMT_EINVAL;
+    }
+    out[3] = (uint64_t)n;
+    return SHMT_OK;
+}
+
+int32_t shmt_lane_commit(shmt_lane *lane, uint64_t index, uint64_t generation, uint64_t deadline_ns, int32_t hold)
+{
+    if (!lane) return SHMT_EINVAL;
+    return shmt_slot_commit(lane->table, lane->holds, lane->nslots, index, generation, lane->bit, deadline_ns, hold);
+}
+
+int32_t shmt_lane_release_own(shmt_lane *lane, shmt_grant_space *g, uint64_t index, uint64_t generation,
+                              int32_t cancel_handoff, uint64_t *remaining)
+{
+    if (!lane) return SHMT_EINVAL;
+    return shmt_grant_release(g, lane->table, lane->holds, lane->nslots, index, generation, lane->bit,
+                              cancel_handoff, remaining);
+}
+
+static void shmt_lane_lock(shmt_lane *lane)
+{
+    while (__atomic_exchange_n(&lane->lock, 1, __ATOMIC_ACQUIRE)) {
+        while (__atomic_load_n(&lane->lock, __ATOMIC_RELAXED)) {
+#if SHMT_X86
+            _mm_pause();
+#endif
+        }
+    }
+}
+
+static void shmt_lane_unlock(shmt_lane *lane) { __atomic_store_n(&lane->lock, 0, __ATOMIC_RELEASE); }
+
+/* Count the lease an acquire of `status` took (lock held): SHMT_SLOT_OK when it holds one now. */
+static int32_t shmt_lane_count_in(shmt_lane *lane, uint64_t index, uint64_t generation, int32_t status)
+{
+    if (index >= lane->nslots) return status;
+    uint64_t *gen = &shmt_lane_gens(lane)[index];
+    uint32_t *count = &shmt_lane_counts(lane)[index];
+    if (status == SHMT_SLOT_OK) { /* the bit was not set: any count left is of a hold cleared since */
+        lane->leases += 1 - (uint64_t)*count;
+        *count = 1;
+        *gen = generation;
+        return SHMT_SLOT_OK;
+    }
+    if (status == SHMT_SLOT_ALREADY && *count && *gen == generation && *count < UINT32_MAX) {
+        (*count)++;
+        lane->leases++;
+        return SHMT_SLOT_OK;
+    }
+    return status;
+}
+
+int32_t shmt_lease_acquire_wire(shmt_lane *lane, const uint8_t *buf, uint64_t nbytes, uint64_t *out)
+{
+    if (!lane || !out) return SHMT_EINVAL;
+    shmt_wire_handle h;
+    shmt_lane_lock(lane);
+    int32_t rc = shmt_wire_acquire(buf, nbytes, lane->name, lane->name_len, lane->instance, lane->instance_len,
+                                   lane->arena_nbytes, lane->table, lane->holds, lane->nslots, lane->bit, &h);
+    if (rc >= 0) rc = shmt_lane_count_in(lane, h.slot - 1, h.generation, rc);
+    shmt_lane_unlock(lane);
+    if (rc < 0) return rc;
+    if (rc == SHMT_SLOT_NOT_COMMITTED &&
+        __atomic_load_n(&shmt_slot_at(lane->table, lane->nslots, h.slot - 1)->owner, __ATOMIC_RELAXED) ==
+            SHMT_HOLDER_PROXY)
+        return SHMT_WIRE_OTHER; /* a loan the daemon placed, its Commit maybe in flight: the daemon waits */
+    out[0] = h.offset;
+    out[1] = h.nbytes;
+    out[2] = h.generation;
+    out[3] = h.slot - 1;
+    out[4] = h.dtype_at;
+    out[5] = h.dtype_len;
+    out[6] = h.digest_at;
+    out[7] = h.digest_len;
+    out[8] = h.ndim;
+    memcpy(out + 9, h.shape, h.ndim * sizeof(uint64_t));
+    return rc;
+}
+
+int32_t shmt_lease_acquire(shmt_lane *lane, uint64_t index, uint64_t generation, uint64_t offset,
+                           uint64_t nbytes)
+{
+    if (!lane) return SHMT_EINVAL;
+    shmt_lane_lock(lane);
+    int32_t rc = shmt_slot_acquire(lane->table, lane->holds, lane->nslots, index, generation, offset, nbytes,
+                                   lane->bit);
+    if (rc >= 0) rc = shmt_lane_count_in(lane, index, generation, rc);
+    shmt_lane_unlock(lane);
+    return rc;
+}
+
+int32_t shmt_lease_release(shmt_lane *lane, uint64_t index, uint64_t generation)
+{
+    if (!lane) return SHMT_EINVAL;
+    if (index >= lane->nslots) return SHMT_SLOT_NOT_HELD;
+    uint32_t *count = &shmt_lane_counts(lane)[index];
+    int32_t rc = SHMT_SLOT_OK;
+    shmt_lane_lock(lane);
+    if (!*count || shmt_lane_gens(lane)[index] != generation) {
+        rc = SHMT_SLOT_NOT_HELD;
+    } else {
+        lane->leases--;
+        if (--*count == 0) {
+            uint64_t remaining;
+            rc = shmt_slot_release(lane->table, lane->holds, lane->nslots, index, generation, lane->bit, 0,
+                                   &remaining);
+        }
+    }
+    shmt_lane_unlock(lane);
+    return rc;
+}
+
+uint64_t shmt_lease_count(shmt_lane *lane)
+{
+    return lane ? __atomic_load_n(&lane->leases, __ATOMIC_RELAXED) : 0;
+}
+
+uint64_t shmt_lease_release_all(shmt_lane *lane)
+{
+    if (!lane) return 0;
+    uint64_t cleared = 0, remaining;
+    uint64_t *gens = shmt_lane_gens(lane);
+    uint32_t *counts = shmt_lane_counts(lane);
+    shmt_lane_lock(lane);
+    for (uint64_t i = 0; i < lane->nslots && lane->leases; i++) {
+        if (!counts[i]) continue;
+        lane->leases -= counts[i];
+        counts[i] = 0;
+        /* a hold the daemon already cleared (the session ended first) is no error here */
+        if (shmt_slot_release(lane->table, lane->holds, lane->nslots, i, gens[i], lane->bit, 0, &remaining) ==
+            SHMT_SLOT_OK)
+            cleared++;
+    }
+    shmt_lane_unlock(lane);
+    return cleared;
+}

@@ -275,4 +275,55 @@ int32_t shmt_wire_acquire(const uint8_t *buf, uint64_t nbytes, const uint8_t *na
                           const uint8_t *instance, uint64_t instance_len, uint64_t arena_nbytes, uint8_t *table,
                           uint8_t *holds, uint64_t nslots, uint32_t bit, shmt_wire_handle *out);
 
+/* ---------------------------------------------------------------------------------------------
+ * A client's fast lane into its tenant's table (a handoff's hot path: one native call a step).
+ *
+ * shmt_lane: what every call of a session on one table needs (the table, the session's bit, the
+ * ids a handle of this session carries), in shmt_lane_nbytes(nslots) bytes of process-local
+ * memory the client allocates zeroed (an anonymous mapping: untouched pages cost nothing), then
+ * shmt_lane_init. It also counts a consumer's leases: several leases of one client on one object
+ * share its bit, which the last release clears. The counting is thread-safe (a spinlock held for
+ * a few loads and stores, never across a call out), so a consumer's acquire and release need no
+ * lock of the caller's. Nothing in it is shared with another process.
+ * ------------------------------------------------------------------------------------------- */
+#define SHMT_LANE_ID_MAX 255 /* the longest segment name, session id or daemon instance id */
+#define SHMT_LANE_OUT 41     /* uint64s of a shmt_lease_acquire_wire result: 9, then the dims */
+
+typedef struct shmt_lane shmt_lane;
+
+uint64_t shmt_lane_nbytes(uint64_t nslots);
+/* SHMT_EINVAL for an id longer than SHMT_LANE_ID_MAX or a misaligned table. */
+int32_t shmt_lane_init(shmt_lane *lane, uint8_t *table, uint8_t *holds, uint64_t nslots, uint32_t bit,
+                       const uint8_t *name, uint64_t name_len, const uint8_t *owner, uint64_t owner_len,
+                       const uint8_t *instance, uint64_t instance_len, uint64_t arena_nbytes);
+/* Producer: shmt_grant_place of `nbytes`, then the handle's wire form (shmt_wire_write: the
+ * lane's ids, `dtype`, `ndim` little-endian uint64 dims, no digest, no token) into wire[0, cap).
+ * out[0..2] as shmt_grant_place's, out[3] = the wire form's length (0 when `wire` is NULL: none
+ * is written). A wire form that does not fit in `cap` is SHMT_EINVAL, nothing placed. */
+int32_t shmt_lane_place(shmt_lane *lane, shmt_grant_space *g, uint64_t nbytes, const uint8_t *dtype,
+                        uint64_t dtype_len, const uint8_t *shape, uint64_t ndim, uint64_t *out, uint8_t *wire,
+                        uint64_t cap);
+/* Producer: shmt_slot_commit of the object in `index` with the lane's bit. */
+int32_t shmt_lane_commit(shmt_lane *lane, uint64_t index, uint64_t generation, uint64_t deadline_ns, int32_t hold);
+/* Producer: shmt_grant_release of the grant `g`'s object in `index` with the lane's bit. */
+int32_t shmt_lane_release_own(shmt_lane *lane, shmt_grant_space *g, uint64_t index, uint64_t generation,
+                              int32_t cancel_handoff, uint64_t *remaining);
+/* Consumer: shmt_wire_acquire of `buf` with the lane's table, bit and ids, counted: SHMT_SLOT_OK
+ * also when this client holds the object already (one more lease). Else SHMT_WIRE_OTHER (also
+ * for an uncommitted loan the daemon placed: its Commit may be in flight, which the daemon's
+ * Acquire waits for), or the refusal (nothing taken). Whenever the result is not SHMT_WIRE_OTHER or negative,
+ * out[0, SHMT_LANE_OUT) = offset, nbytes, generation, table index, dtype (at, len), digest (at,
+ * len), ndim, then the dims. */
+int32_t shmt_lease_acquire_wire(shmt_lane *lane, const uint8_t *buf, uint64_t nbytes, uint64_t *out);
+/* Consumer: shmt_slot_acquire with the lane's bit, counted as shmt_lease_acquire_wire counts. */
+int32_t shmt_lease_acquire(shmt_lane *lane, uint64_t index, uint64_t generation, uint64_t offset,
+                           uint64_t nbytes);
+/* Consumer: drop one lease; the last clears the bit (shmt_slot_release's status). SHMT_SLOT_NOT_HELD
+ * when this client holds no lease on that object. */
+int32_t shmt_lease_release(shmt_lane *lane, uint64_t index, uint64_t generation);
+/* Leases counted now. */
+uint64_t shmt_lease_count(shmt_lane *lane);
+/* Drop every lease (a client closing): the objects whose bit it cleared. */
+uint64_t shmt_lease_release_all(shmt_lane *lane);
+
 #endif /* SHMT_KERNELS_H */

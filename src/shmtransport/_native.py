@@ -45,6 +45,12 @@ def _load_extension() -> tuple[Any, Any]:
 
 
 ffi, lib = _load_extension()
+from ._shmt_lane import PACKAGE_VERSION as _LANE_BUILT_FOR  # noqa: E402 - the object table's fast lane
+from ._shmt_lane import Lane as Lane  # noqa: E402
+
+if _LANE_BUILT_FOR != __version__:
+    raise ImportError(f"shmtransport._shmt_lane was built for shmtransport {_LANE_BUILT_FOR}, this is "
+                      f"{__version__}: a stale build; reinstall (or rebuild) the package")
 
 _built_for = ffi.string(lib.shmt_package_version()).decode()
 if _built_for != __version__:

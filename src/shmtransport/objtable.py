@@ -18,6 +18,7 @@ them under one lock (``single_writer``).
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +26,9 @@ import numpy.typing as npt
 from ._backend import BACKEND
 from .errors import HandleError, InvalidArgument, Reason, StateError
 from .single_writer_slots import SingleWriterSlots
+
+if TYPE_CHECKING:
+    from ._shmt_lane import Lane
 
 SLOT_NBYTES = 64
 SESSION_BITS = 62  # bits 0..61: one per session holding a bit
@@ -101,6 +105,10 @@ class _CSlots:
         self.slots = ffi.from_buffer("uint8_t[]", slots)
         self.holds = ffi.from_buffer("uint8_t[]", holds, require_writable=True)
 
+    def address(self, memory: object) -> int:
+        """The address of ``slots`` or ``holds``."""
+        return int(self._ffi.cast("uintptr_t", memory))
+
     def publish(self, index: int, offset: int, nbytes: int, bit: int) -> tuple[int, int]:
         out = self._ffi.new("uint64_t[1]")
         rc = self._lib.shmt_slot_publish(self.slots, self.holds, self.nslots, index, offset, nbytes, bit, out)
@@ -144,7 +152,7 @@ class GrantSpace:
     the C kernels (a client without them has no
     table). Not thread-safe: the producer's lock serializes it."""
 
-    __slots__ = ("_memory", "_space", "nslots")
+    __slots__ = ("_memory", "_space", "nslots", "address")
 
     def __init__(self, offset: int, nbytes: int, first_slot: int, nslots: int, page_align_min: int = 64 * 1024):
         """The grant of ``nbytes`` at arena ``offset`` with slots ``[first_slot, first_slot + nslots)``."""
@@ -152,6 +160,7 @@ class GrantSpace:
 
         self._memory = ffi.new("uint8_t[]", lib.shmt_grant_space_nbytes(nslots))
         self._space = ffi.cast("shmt_grant_space *", self._memory)
+        self.address = int(ffi.cast("uintptr_t", self._space))  # for the table lane's calls
         self.nslots = nslots
         if lib.shmt_grant_space_init(self._space, offset, nbytes, first_slot, nslots, page_align_min) != 0:
             raise InvalidArgument(f"a grant of {nbytes} bytes and {nslots} slots")
@@ -202,6 +211,27 @@ class ObjectTable:
         self.holders: npt.NDArray[np.uint64] = np.frombuffer(holds, dtype=HOLD_DTYPE, count=nslots)["holders"]
         self._kernels: _CSlots | SingleWriterSlots = (
             SingleWriterSlots(self.columns, self.holders) if single_writer else _CSlots(slots, holds, nslots))
+        self._lanes: list[Lane] = []
+
+    def open_lane(self, bit: int, ids: tuple[str, str, str], arena: memoryview) -> Lane:
+        """A client's fast lane into this table (``_shmt_lane.Lane``, ``shmt_lane`` in the C
+        kernels): each step of a handoff in one native call that also builds its Python results,
+        with the session's ``bit`` and the ``ids`` its handles carry (arena segment name, session
+        id, daemon instance id); views of objects are cut from ``arena``, the whole arena. A
+        consumer's leases are counted there. The lane keeps the table mapped until ``close``."""
+        kernels = self._kernels
+        if not isinstance(kernels, _CSlots):
+            raise StateError("a table lane needs the C kernels and a table shared with other processes")
+        from ._native import Lane
+
+        name, owner, instance = (s.encode("ascii") for s in ids)
+        try:
+            lane = Lane(kernels.address(kernels.slots), kernels.address(kernels.holds), self.nslots, bit, name, owner,
+                        instance, arena.nbytes, arena, kernels, _refuse)
+        except ValueError as exc:
+            raise InvalidArgument(f"cannot open a lane into the object table: {exc}") from exc
+        self._lanes.append(lane)
+        return lane
 
     def publish(self, index: int, offset: int, nbytes: int, bit: int) -> int:
         """A new object in free slot ``index``, held by ``bit`` (a session's, or the proxy bit for
@@ -265,21 +295,6 @@ class ObjectTable:
         that object at that offset and size."""
         return self._status(self._kernels.acquire(index, generation, offset, nbytes, bit))
 
-    def acquire_wire(self, data: bytes, name: bytes, instance_id: bytes, arena_nbytes: int, bit: int,
-                     out: object) -> SlotStatus | None:
-        """``acquire`` of the object a ``TensorHandle``'s wire form names, read into ``out`` (a
-        ``handle_wire.new_out()``) in the same call, if it is an object of this table (segment
-        ``name``, daemon ``instance_id``, inside the arena, dtype and shape making its size, no
-        commit token); None when it is not one this call takes."""
-        kernels = self._kernels
-        if not isinstance(kernels, _CSlots):
-            return None  # a single-writer table is the daemon's: no client acquires in it
-        rc = kernels._lib.shmt_wire_acquire(data, len(data), name, len(name), instance_id, len(instance_id),
-                                            arena_nbytes, kernels.slots, kernels.holds, self.nslots, bit, out)
-        if rc == 0:
-            return SlotStatus.OK
-        return None if rc == kernels._lib.SHMT_WIRE_OTHER else self._status(rc)
-
     def release(self, index: int, generation: int, bit: int, cancel_handoff: bool = False) -> int:
         """Drop ``bit``; the holders left (0: the object is dead, its slot and bytes reusable)."""
         rc, remaining = self._kernels.release(index, generation, bit, cancel_handoff)
@@ -314,7 +329,11 @@ class ObjectTable:
             pass  # only a stale producer's failing CAS can interleave, and it changes nothing
 
     def close(self) -> None:
-        """Drop this table's references to the mappings (so they can be unmapped); it has no slots left."""
+        """Drop this table's references to the mappings (so they can be unmapped); it has no slots
+        left, and its lanes take no more calls."""
+        for lane in self._lanes:
+            lane.close()
+        self._lanes = []
         self.columns = np.empty(0, dtype=SLOT_DTYPE)
         self.holders = np.empty(0, dtype=np.uint64)
         self._kernels = SingleWriterSlots(self.columns, self.holders)
@@ -333,6 +352,16 @@ class ObjectTable:
     def _ok(self, rc: int, index: int) -> None:
         if rc != 0:
             raise_for(self._status(rc), index)
+
+
+def status_of(rc: int) -> SlotStatus:
+    """The status a slot kernel's code (>= 0) means."""
+    return _STATUSES[rc] if rc < len(_STATUSES) else SlotStatus(rc)
+
+
+def _refuse(rc: int, index: int) -> None:
+    """A table lane's refusals (called from C)."""
+    raise_for(status_of(rc), index)
 
 
 def raise_for(status: SlotStatus, index: int, what: str = "") -> None:

@@ -15,6 +15,7 @@ from ..handle import Handle
 from ..objtable import slot_index
 from ..tensors import tensor_nbytes
 from ..v1 import daemon_pb2 as pb
+from . import table
 from .session import _Client
 from .table import TableClient
 from .views import Lease
@@ -26,9 +27,6 @@ class Consumer(_Client):
     session."""
 
     _writable = False
-    # The arena mapping the wire ids below are of, its segment name and this session's daemon
-    # instance, encoded: what acquire_bytes compares a handle's with.
-    _wire_ids: tuple[object, bytes, bytes] = (None, b"", b"")
 
     def acquire(self, handle: Handle, *, ttl_ms: int = 0) -> Lease:
         """A read-only lease on the object ``handle`` names: ``lease.array`` (numpy) and
@@ -102,46 +100,51 @@ class Consumer(_Client):
         # session's, and one of a restarted daemon takes the general path, which reconnects. A
         # handle of this session's instance names bytes still mapped here, whether or not that
         # daemon is alive: taking them is what an acquire just before its death would have done.
-        with self._lock:
-            tables = self._table_client()
-            mapping = self._conn.mapping
-            if tables is None or mapping is None:
+        # No lock either: the lane counts leases itself, and a table client once built is never
+        # changed (a reconnect builds another).
+        tables = self._tables
+        if tables is None or tables.table is not self._conn.table:
+            with self._lock:
+                tables = self._table_client()
+            if tables is None:
                 return None
-            if self._wire_ids[0] is not mapping:
-                self._wire_ids = (mapping, mapping.name.encode(), self.instance_id.encode())
-            held = tables.acquire_wire(data, self._wire_ids[1], self._wire_ids[2], mapping.nbytes)
-            if held is None:
-                return None
-            (offset, nbytes, generation, slot, _, _, _, _, _, _, dtype_at, dtype_len, digest_at, digest_len, _, _,
-             _), shape = held
-            handle = Handle._of(None, data, data[dtype_at:dtype_at + dtype_len].decode("ascii"), shape,
-                                data[digest_at:digest_at + digest_len])
-            size = 0 if 0 in shape else nbytes  # a zero-size tensor occupies 1 byte
-            return Lease(self, handle, mapping.view(offset, nbytes)[:size], 0, tables, (slot_index(slot), generation))
+        got = tables.lane.acquire_wire(data)  # (a refusal raises)
+        if got is None:
+            return None
+        memory, dtype, shape, digest, index, generation = got
+        if table.fault_point is not None:  # (inline: a handoff's hot path)
+            table.fault_point("t_after_acquire")
+        return Lease(self, Handle._of(None, data, dtype, shape, digest), memory, 0, tables, (index, generation))
 
     def _release_held(self, lease: Lease) -> None:
-        """``Lease.release`` of a lease held in the object table: its bit goes at once, or once
-        the last view of its bytes does."""
-        with self._lock:
-            lease._detach_views()
-            if lease._views_alive():
+        """``Lease.release`` of a lease held in the object table: its bit goes at once (no lock:
+        the lane counts leases itself), or once the last view of its bytes does."""
+        lease._detach_views()
+        if lease._roots and lease._views_alive():
+            with self._lock:
                 self._deferred.append(lease)
                 self._schedule_flush()
-            else:
-                self._queue(lease)
+            return
+        lease._forget_memory()
+        tables = lease._table
+        if self._live_table(tables):
+            try:
+                tables.release_lease(*lease._slot_key)
+            except Unavailable:
+                pass  # the session ended meanwhile: its holds went with it
 
     def _acquire_in_table(self, tables: TableClient, handles: list[Handle], sizes: list[int],
                           leases: dict[int, Lease]) -> None:
         """Leases with this client's bit on every object-table handle (lock held), by index in
         ``handles``; all or nothing: a refusal gives back the ones taken and raises."""
-        mapping = self._conn.mapping
+        mapping = tables.mapping
         taken: list[Lease] = []
         try:
             for i, h in enumerate(handles):
                 shm = h.shm
-                if not shm.slot or mapping is None or shm.name != mapping.name or h.commit_token:
-                    # not this tenant's table (or the session is gone meanwhile), or a loan the
-                    # caller commits with its token: the daemon answers
+                if not shm.slot or shm.name != mapping.name or h.commit_token:
+                    # not this tenant's table, or a loan the caller commits with its token: the
+                    # daemon answers
                     continue
                 if shm.offset + shm.nbytes > mapping.nbytes:
                     raise HandleError(f"offset {shm.offset} + nbytes {shm.nbytes} outside the arena",

@@ -7,7 +7,6 @@ from typing import Any, Iterable, Sequence
 import grpc
 from google.protobuf.message import Message
 
-from .. import handle_wire
 from .._backend import kernels
 from ..errors import (
     ClosedError,
@@ -35,9 +34,6 @@ class Producer(_Client):
     Thread-safe; a context manager that closes the session."""
 
     _writable = True
-    # The arena mapping these are of, its segment name, this session's id and the daemon
-    # instance, encoded: the constant parts of a placed loan's handle on the wire.
-    _wire_ids: tuple[object, tuple[str, str, str], tuple[bytes, bytes, bytes]] = (None, ("", "", ""), (b"", b"", b""))
 
     def __init__(
         self,
@@ -103,32 +99,25 @@ class Producer(_Client):
                 return None
             try:
                 if len(typed) == 1:  # (a handoff's hot path)
-                    placed = [tables.place_one(max(typed[0][2], 1), wait_s=self.alloc_wait_s)]
+                    dt, shape, nbytes = typed[0]
+                    placed = [tables.place_one(max(nbytes, 1), dt.encode(), shape, wait_s=self.alloc_wait_s)]
                 else:
-                    placed = tables.place([max(nbytes, 1) for _, _, nbytes in typed], self.alloc_wait_s)
+                    placed = tables.place([(max(nbytes, 1), dt.encode(), shape) for dt, shape, nbytes in typed],
+                                          self.alloc_wait_s)
             except ResourceExhausted as exc:
                 if exc.reason is not Reason.TABLE_FULL:
                     raise
                 return None  # no grant of slots left: the daemon's Loan waits for a slot (back-pressure)
-            mapping = self._conn.mapping
-            if mapping is None:  # disconnected meanwhile (by another thread's failed call)
-                raise Unavailable("the daemon of this session is gone")
-            if self._wire_ids[0] is not mapping:
-                hello = self._conn.hello
-                self._wire_ids = (mapping, (mapping.name, hello.session_id, hello.instance_id),
-                                  (mapping.name.encode(), hello.session_id.encode(), hello.instance_id.encode()))
-            _, (name, owner, instance), (name_b, owner_b, instance_b) = self._wire_ids
+            name, owner, instance = tables.ids
             loans = []
             for obj, (dt, shape, nbytes) in zip(placed, typed):
-                offset, generation, slot = obj.offset, obj.generation, wire_slot(obj.slot)
-                where = Where(name, offset, obj.nbytes, owner, generation, instance, slot)
-                # The handle's wire form is written now, before the caller writes the bytes: after
-                # a large write this process's caches are cold, and the commit path that follows
-                # then costs what it touches.
-                wire = handle_wire.write(name_b, offset, obj.nbytes, owner_b, generation, instance_b, slot,
-                                         dt.encode(), shape, b"", b"")
-                memory = mapping.view(offset, obj.nbytes)[:nbytes]
-                loans.append(Loan(self, Handle._of(where, wire, dt, shape), memory, (tables, obj)))
+                # (tuple.__new__: a named tuple's own __new__ is a Python frame more)
+                where = tuple.__new__(Where, (name, obj.offset, obj.nbytes, owner, obj.generation, instance,
+                                              wire_slot(obj.slot)))
+                memory, obj.memory = obj.memory, None
+                assert memory is not None
+                loans.append(Loan(self, Handle._of(where, obj.wire, dt, shape), memory if nbytes else memory[:0],
+                                  (tables, obj)))
             if tables.give_back or not self._background.pending:
                 self._schedule_flush()  # idle grants go back in the background
             return loans

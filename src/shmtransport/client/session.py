@@ -135,10 +135,12 @@ class _Client:
             self._tables = None
             return None
         if self._tables is None or self._tables.table is not table:
-            hello = self._conn.hello
+            hello, mapping = self._conn.hello, self._conn.mapping
+            if mapping is None:  # (set with the table; gone together with it)
+                return None
             info = hello.object_table
-            self._tables = TableClient(table, bit, hello.arena_nbytes,
-                                       info.handoff_window_ms, info.max_hold_ms, self._grant)
+            self._tables = TableClient(table, bit, mapping, (mapping.name, hello.session_id, hello.instance_id),
+                                       hello.arena_nbytes, info.handoff_window_ms, info.max_hold_ms, self._grant)
         return self._tables
 
     def _grant(self, nbytes: int, nslots: int, give_back: list[int], wait_ms: int, retry: bool) -> pb.GrantResponse:
@@ -250,7 +252,10 @@ class _Client:
         if isinstance(view, Lease):
             if view._table is not None:
                 if self._live_table(view._table):
-                    view._table.release_lease(*view._slot_key)
+                    try:
+                        view._table.release_lease(*view._slot_key)
+                    except Unavailable:
+                        pass  # the session ended meanwhile: its holds went with it
             else:
                 self._pending.add_lease_ids((view.lease_id,))
         elif isinstance(view, Loan) and view._placed is not None:

@@ -22,8 +22,8 @@ import itertools
 import time
 from typing import Callable
 
-from .. import handle_wire
 from ..allocator import PAGE
+from ..arena import ArenaMapping
 from ..errors import InvalidArgument, Reason, ResourceExhausted, StateError
 from ..objtable import (
     GRANT_ACTIVE,
@@ -34,7 +34,7 @@ from ..objtable import (
     SlotStatus,
     grant_word,
     raise_for,
-    slot_index,
+    status_of,
 )
 from ..v1 import daemon_pb2 as pb
 
@@ -91,6 +91,8 @@ class Placed:
     offset: int  # arena offset
     nbytes: int
     grant: _Grant
+    wire: bytes | None  # its handle's wire form (None: one protobuf writes)
+    memory: memoryview | None  # a view of its bytes, until the loan takes it
     held: bool = True  # this producer's bit is set
     committed: bool = False
     hold: bool = False  # committed with hold_ms: the hand-off bit stays until the hold ends
@@ -99,14 +101,20 @@ class Placed:
 class TableClient:
     """Not thread-safe by itself: the owning client serializes calls with its lock."""
 
-    def __init__(self, table: ObjectTable, bit: int, arena_nbytes: int, handoff_window_ms: int,
-                 max_hold_ms: int, grant: GrantCall):
+    def __init__(self, table: ObjectTable, bit: int, mapping: ArenaMapping, ids: tuple[str, str, str],
+                 arena_nbytes: int, handoff_window_ms: int, max_hold_ms: int, grant: GrantCall):
         # (max_hold_ms is the daemon's; the table cannot check it, so the client does.)
-        """``grant(nbytes, nslots, give_back, wait_ms, retry)``: the daemon's Grant RPC; one
-        that waits must let the owner's other threads in meanwhile (their releases may be the
-        room it waits for)."""
+        """``mapping``: the session's arena, whose objects the table's are; ``ids``: what this
+        session's handles carry (arena segment name, session id, daemon instance id).
+        ``grant(nbytes, nslots, give_back, wait_ms, retry)``: the daemon's Grant RPC; one that
+        waits must let the owner's other threads in meanwhile (their releases may be the room it
+        waits for)."""
         self.table = table
         self.bit = bit
+        self.mapping = mapping
+        self.ids = ids
+        # Each step in one native call, which also counts a consumer's leases.
+        self.lane = table.open_lane(bit, ids, mapping.view(0, mapping.nbytes))
         self.handoff_window_ns = handoff_window_ms * 1_000_000
         self.max_hold_ms = max_hold_ms
         self._grant_rpc = grant
@@ -117,46 +125,47 @@ class TableClient:
         self._grants: list[_Grant] = []
         self._placed: dict[int, Placed] = {}  # slot -> object whose bytes are this producer's
         self._released: dict[int, Placed] = {}  # of those, the ones others still hold
-        self._leases: dict[tuple[int, int], int] = {}  # (slot, generation) -> leases in this client
         self.give_back: list[int] = []  # grant ids to return with the next Grant call
         self._placed_at = 0.0  # monotonic time of the last placement
         self._slot_per_nbytes = SLOT_PER_NBYTES  # the density of this producer's next standard grant
-        self._wire_reader = handle_wire.WireReader()  # acquire_wire's (its owner's lock serializes calls)
 
     # -- producer --------------------------------------------------------------------------------
-    def place(self, sizes: list[int], wait_s: float = 0.0) -> list[Placed]:
-        """Loans for every size, all or nothing; waits up to ``wait_s`` for space (back-pressure:
-        freed by this producer's consumers or by other producers) before ResourceExhausted."""
+    def place(self, specs: list[tuple[int, bytes, tuple[int, ...]]], wait_s: float = 0.0) -> list[Placed]:
+        """Loans for every (nbytes, dtype, shape), all or nothing; waits up to ``wait_s`` for
+        space (back-pressure: freed by this producer's consumers or by other producers) before
+        ResourceExhausted."""
         placed: list[Placed] = []
         deadline = time.monotonic() + wait_s
         try:
-            for nbytes in sizes:
-                placed.append(self.place_one(nbytes, deadline))
+            for nbytes, dtype, shape in specs:
+                placed.append(self.place_one(nbytes, dtype, shape, deadline))
         except BaseException:
             for obj in placed:
                 self.release_own(obj, cancel_handoff=True)
             raise
         return placed
 
-    def place_one(self, nbytes: int, deadline: float | None = None, wait_s: float = 0.0) -> Placed:
-        """A loan of ``nbytes``, waiting until ``deadline`` (``time.monotonic``; default: ``wait_s``
-        from now) for space."""
+    def place_one(self, nbytes: int, dtype: bytes, shape: tuple[int, ...], deadline: float | None = None,
+                  wait_s: float = 0.0) -> Placed:
+        """A loan of ``nbytes`` for a tensor of ``dtype`` and ``shape`` (its handle's wire form is
+        written with it), waiting until ``deadline`` (``time.monotonic``; default: ``wait_s`` from
+        now) for space."""
         self._placed_at = now = time.monotonic()
-        obj = self._try_place(nbytes)  # a handoff's hot path: room in the newest grant
+        obj = self._try_place(nbytes, dtype, shape)  # a handoff's hot path: room in the newest grant
         if obj is not None:
             return obj
-        return self._place_waiting(nbytes, now + wait_s if deadline is None else deadline)
+        return self._place_waiting(nbytes, dtype, shape, now + wait_s if deadline is None else deadline)
 
-    def _place_waiting(self, nbytes: int, deadline: float) -> Placed:
+    def _place_waiting(self, nbytes: int, dtype: bytes, shape: tuple[int, ...], deadline: float) -> Placed:
         attempts = itertools.count()
         while True:
             attempt = next(attempts)
             if attempt:
-                obj = self._try_place(nbytes)
+                obj = self._try_place(nbytes, dtype, shape)
                 if obj is not None:
                     return obj
             self.collect()
-            obj = self._try_place(nbytes)
+            obj = self._try_place(nbytes, dtype, shape)
             if obj is not None:
                 return obj
             remaining = deadline - time.monotonic()
@@ -169,7 +178,7 @@ class TableClient:
                 if exc.reason is Reason.TABLE_FULL or time.monotonic() >= deadline or nbytes > self.arena_nbytes:
                     raise  # (an object larger than the arena never fits: no point waiting)
                 continue
-            obj = self._try_place(nbytes)
+            obj = self._try_place(nbytes, dtype, shape)
             if obj is None:  # pragma: no cover - a fresh grant always fits its first object
                 raise ResourceExhausted(f"no room for {nbytes} bytes in a fresh grant", Reason.ARENA_FULL)
             return obj
@@ -185,7 +194,7 @@ class TableClient:
             self.give_back.append(grant.grant_id)
         return bool(grants)
 
-    def _try_place(self, nbytes: int) -> Placed | None:
+    def _try_place(self, nbytes: int, dtype: bytes, shape: tuple[int, ...]) -> Placed | None:
         oversized = nbytes > self.standard_grant_nbytes
         for grant in reversed(self._grants):
             space = grant.space
@@ -197,14 +206,16 @@ class TableClient:
                 if space.largest_free_nbytes < nbytes:
                     continue  # left parked: it could not take this object anyway
                 if not self._unpark(grant):
-                    return self._try_place(nbytes)  # the daemon took it (now dropped from the list): look again
-            placed = self.table.place_in(space, nbytes, self.bit)  # (it says when the grant has no room)
+                    # the daemon took it (now dropped from the list): look again
+                    return self._try_place(nbytes, dtype, shape)
+            # (it says when the grant has no room)
+            placed = self.lane.place(space.address, nbytes, nbytes, dtype, shape)
             if placed is None:
                 continue
             if fault_point is not None:  # (inline: a handoff's hot path)
                 fault_point("t_after_publish")
-            offset, generation, slot = placed
-            obj = Placed(slot, generation, offset, nbytes, grant)
+            offset, generation, slot, wire, memory = placed
+            obj = Placed(slot, generation, offset, nbytes, grant, wire, memory)
             self._placed[slot] = obj
             return obj
         return None
@@ -261,7 +272,9 @@ class TableClient:
         window_ns = hold_ms * 1_000_000 if hold_ms else self.handoff_window_ns
         if fault_point is not None:
             fault_point("t_before_commit")
-        self.table.commit(obj.slot, obj.generation, self.bit, time.monotonic_ns() + window_ns, hold=bool(hold_ms))
+        rc = self.lane.commit(obj.slot, obj.generation, time.monotonic_ns() + window_ns, bool(hold_ms))
+        if rc:
+            raise_for(status_of(rc), obj.slot)
         if fault_point is not None:
             fault_point("t_after_commit")
         obj.committed, obj.hold = True, bool(hold_ms)
@@ -278,7 +291,11 @@ class TableClient:
         if not obj.held:
             raise StateError(f"object in slot {obj.slot} already released", Reason.DOUBLE_RELEASE)
         cancel = not obj.committed or (cancel_handoff and not obj.hold)
-        remaining = self.table.release_in(obj.grant.space, obj.slot, obj.generation, self.bit, cancel)
+        rc, remaining = self.lane.release_own(obj.grant.space.address, obj.slot, obj.generation, cancel)
+        if rc:
+            if rc < 0:  # (the grant's, SHMT_GRANT_NOT_LIVE)
+                raise StateError(f"object slot {obj.slot}: no live object of this grant")
+            raise_for(status_of(rc), obj.slot)
         if fault_point is not None:
             fault_point("t_after_release")
         obj.held = False
@@ -333,16 +350,12 @@ class TableClient:
         against the handle (a refusal raises as ``raise_for`` says). False, and nothing taken, for
         a loan the daemon placed that is not committed yet: its producer's Commit may be in
         flight, which the daemon's Acquire waits for."""
-        key = (slot, generation)
-        count = self._leases.get(key, 0)
-        if count == 0:
-            status = self.table.acquire(slot, generation, offset, nbytes, self.bit)
-            _step("t_after_acquire")
+        status = status_of(self.lane.acquire(slot, generation, offset, nbytes))
+        _step("t_after_acquire")
+        if status is not SlotStatus.OK:
             if status is SlotStatus.NOT_COMMITTED and self.placed_by_daemon(slot):
                 return False
-            if status is not SlotStatus.OK:
-                raise_for(status, slot)
-        self._leases[key] = count + 1
+            raise_for(status, slot)
         return True
 
     def placed_by_daemon(self, slot: int) -> bool:
@@ -353,47 +366,21 @@ class TableClient:
         """Whether this producer placed the object now in ``slot`` (or the last one there)."""
         return int(self.table.columns["owner"][slot]) == self.bit
 
-    def acquire_wire(self, data: bytes, name: bytes, instance_id: bytes,
-                     arena_nbytes: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """``acquire`` of the object the handle's wire form ``data`` names, read, checked and held
-        in one native call (``ObjectTable.acquire_wire``): what it read (``WireReader.head``, and
-        the shape), or None when that call does not take the handle (the caller takes the general
-        path, which says what is wrong with it)."""
-        reader = self._wire_reader
-        status = self.table.acquire_wire(data, name, instance_id, arena_nbytes, self.bit, reader.ptr)
-        if status is None:
-            return None
-        head = reader.head()
-        key = (slot_index(head[3]), head[2])  # (index, generation)
-        if status is SlotStatus.NOT_COMMITTED and self.placed_by_daemon(key[0]):
-            return None  # a loan whose commit may be in flight: the daemon waits for it
-        count = self._leases.get(key, 0)
-        if status is not SlotStatus.OK and not (status is SlotStatus.ALREADY and count):
-            raise_for(status, key[0])
-        if fault_point is not None:  # (inline: a handoff's hot path)
-            fault_point("t_after_acquire")
-        self._leases[key] = count + 1
-        return head, reader.shape(head[-1])
-
     def release_lease(self, slot: int, generation: int) -> None:
         """Drop one lease; the last clears this client's hold bit. StateError (DOUBLE_RELEASE)
         if this client holds none."""
-        key = (slot, generation)
-        count = self._leases.get(key, 0)
-        if count == 0:
+        status = status_of(self.lane.release(slot, generation))
+        if status is SlotStatus.NOT_HELD:
             raise StateError(f"object slot {slot}: no lease of this client", Reason.DOUBLE_RELEASE)
-        if count > 1:
-            self._leases[key] = count - 1
-            return
-        del self._leases[key]
-        self.table.release(slot, generation, self.bit)
         if fault_point is not None:
             fault_point("t_after_release")
+        if status is not SlotStatus.OK:
+            raise_for(status, slot)
 
     @property
     def lease_count(self) -> int:
         """Leases this client holds through the table, counting each object's repeats."""
-        return sum(self._leases.values())
+        return int(self.lane.lease_count())
 
     # -- the end ---------------------------------------------------------------------------------
     def give_back_all(self) -> list[int]:
@@ -408,12 +395,7 @@ class TableClient:
         """Drop every hold of this client (close): leases, and producer references (committed
         objects keep their hand-off bit, so a consumer may still take them). A hold the daemon
         already cleared (it saw the session end first) is skipped."""
-        for slot, generation in list(self._leases):
-            self._leases[(slot, generation)] = 1
-            try:
-                self.release_lease(slot, generation)
-            except StateError:
-                pass
+        self.lane.release_all()
         for obj in list(self._placed.values()):
             if obj.held:
                 try:
