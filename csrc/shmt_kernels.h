@@ -288,6 +288,7 @@ int32_t shmt_wire_acquire(const uint8_t *buf, uint64_t nbytes, const uint8_t *na
  * ------------------------------------------------------------------------------------------- */
 #define SHMT_LANE_ID_MAX 255 /* the longest segment name, session id or daemon instance id */
 #define SHMT_LANE_OUT 41     /* uint64s of a shmt_lease_acquire_wire result: 9, then the dims */
+#define SHMT_LANE_CLOSED (-40) /* what _shmt_lane refuses a closed lane's calls with */
 
 typedef struct shmt_lane shmt_lane;
 

@@ -33,10 +33,12 @@ typedef struct {
     PyObject *refuse;      /* refuse(status, index) raises the typed error of a refused slot step */
 } LaneObject;
 
+static PyObject *refused(LaneObject *self, int32_t status, uint64_t index);
+
 static int lane_open(LaneObject *self)
 {
     if (self->arena) return 1;
-    PyErr_SetString(PyExc_RuntimeError, "the object table lane was closed (the session ended)");
+    refused(self, SHMT_LANE_CLOSED, 0);
     return 0;
 }
 
@@ -70,9 +72,9 @@ static PyObject *arena_slice(LaneObject *self, uint64_t start, uint64_t len)
     return view;
 }
 
+/* refuse(status, index) raises: a slot status, SHMT_LANE_CLOSED, or a negative code (arguments refused) */
 static PyObject *refused(LaneObject *self, int32_t status, uint64_t index)
 {
-    if (status < 0) return PyErr_Format(PyExc_ValueError, "object-table call refused its arguments (code %d)", status);
     PyObject *result = PyObject_CallFunction(self->refuse, "iK", (int)status, (unsigned long long)index);
     if (!result) return NULL;
     Py_DECREF(result);
@@ -217,10 +219,11 @@ static PyObject *Lane_release_all(LaneObject *self, PyObject *unused)
 }
 
 /* place(space, nbytes, view_nbytes, dtype: bytes, shape: tuple)
- *   -> (offset, generation, index, wire: bytes | None, memory) | None
- * A new object of `nbytes` in the grant at address `space` and its handle's wire form (None past
- * SHMT_WIRE_MAX_DIMS dims: protobuf writes it), with a writable view of its first `view_nbytes`
- * bytes. None when the grant has no room; a refused publish raises. */
+ *   -> (offset, generation, index, wire: bytes, memory) | None
+ * A new object of `nbytes` in the grant at address `space` and its handle's wire form, with a
+ * writable view of its first `view_nbytes` bytes. None when the grant has no room; a refused
+ * publish raises, as do more than SHMT_WIRE_MAX_DIMS dims or a dtype name past 64 bytes (no
+ * tensor has them: shmtransport.tensors refuses them first). */
 static PyObject *Lane_place(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t a[3];
@@ -236,9 +239,9 @@ static PyObject *Lane_place(LaneObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_ssize_t ndim = PyTuple_Size(args[4]);
-    int with_wire = ndim <= SHMT_WIRE_MAX_DIMS && dtype_len <= 64;
+    if (ndim > SHMT_WIRE_MAX_DIMS || dtype_len > 64) return refused(self, SHMT_EINVAL, 0);
     uint64_t dims[SHMT_WIRE_MAX_DIMS];
-    for (Py_ssize_t i = 0; with_wire && i < ndim; i++) {
+    for (Py_ssize_t i = 0; i < ndim; i++) {
         dims[i] = PyLong_AsUnsignedLongLong(PyTuple_GetItem(args[4], i));
         if (dims[i] == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     }
@@ -247,13 +250,11 @@ static PyObject *Lane_place(LaneObject *self, PyObject *const *args, Py_ssize_t 
     uint8_t wire[13 * 12 + 10 * SHMT_WIRE_MAX_DIMS + 3 * SHMT_LANE_ID_MAX + 64];
     shmt_grant_space *space = (shmt_grant_space *)(uintptr_t)a[0];
     int32_t rc = shmt_lane_place(self->lane, space, a[1], (const uint8_t *)dtype, (uint64_t)dtype_len,
-                                 (const uint8_t *)dims, with_wire ? (uint64_t)ndim : 0, out, with_wire ? wire : NULL,
-                                 sizeof wire);
+                                 (const uint8_t *)dims, (uint64_t)ndim, out, wire, sizeof wire);
     if (rc == SHMT_GRANT_NO_ROOM) Py_RETURN_NONE;
     if (rc != SHMT_OK) return refused(self, rc, out[2]);
     PyObject *memory = arena_slice(self, out[0], a[2] < a[1] ? a[2] : a[1]);
-    PyObject *wire_bytes = with_wire ? PyBytes_FromStringAndSize((const char *)wire, (Py_ssize_t)out[3])
-                                     : (Py_INCREF(Py_None), Py_None);
+    PyObject *wire_bytes = PyBytes_FromStringAndSize((const char *)wire, (Py_ssize_t)out[3]);
     if (!memory || !wire_bytes) {
         Py_XDECREF(memory);
         Py_XDECREF(wire_bytes);
@@ -315,7 +316,9 @@ static int module_exec(PyObject *module)
         Py_XDECREF(type);
         return -1;
     }
-    if (PyModule_AddStringConstant(module, "PACKAGE_VERSION", SHMT_PACKAGE_VERSION) < 0) return -1;
+    if (PyModule_AddStringConstant(module, "PACKAGE_VERSION", SHMT_PACKAGE_VERSION) < 0 ||
+        PyModule_AddIntConstant(module, "LANE_CLOSED", SHMT_LANE_CLOSED) < 0)
+        return -1;
     return 0;
 }
 

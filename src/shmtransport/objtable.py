@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._backend import BACKEND
-from .errors import HandleError, InvalidArgument, Reason, StateError
+from .errors import HandleError, InvalidArgument, Reason, StateError, Unavailable
 from .single_writer_slots import SingleWriterSlots
 
 if TYPE_CHECKING:
@@ -359,8 +359,15 @@ def status_of(rc: int) -> SlotStatus:
     return _STATUSES[rc] if rc < len(_STATUSES) else SlotStatus(rc)
 
 
+LANE_CLOSED = -40  # SHMT_LANE_CLOSED: a call on the lane of a table closed since (the session ended)
+
+
 def _refuse(rc: int, index: int) -> None:
-    """A table lane's refusals (called from C)."""
+    """Raise a table lane's refusal (called from C): a slot status, or a closed lane."""
+    if rc == LANE_CLOSED:
+        raise Unavailable("the daemon of this session is gone (its object table was let go)")
+    if rc < 0:
+        raise InvalidArgument(f"object-table call refused its arguments (code {rc})")
     raise_for(status_of(rc), index)
 
 

@@ -278,12 +278,12 @@ class _Connection:
             self._channel.close()
         if self._session_sock is not None:
             self._session_sock.close()
-        if self.mapping is not None:
-            arena.detach(self.mapping)
         if self.table is not None:
-            self.table.close()
+            self.table.close()  # first: its lanes hold views of the arena
             for mapping in self._table_mappings:  # set together with ``table``
                 arena.detach(mapping)
+        if self.mapping is not None:
+            arena.detach(self.mapping)
         self._channel = self.stub = self._session_sock = self.mapping = None
         self.table = self.holder_bit = None
         self._table_mappings = ()

@@ -88,12 +88,7 @@ class Consumer(_Client):
         """``acquire(Handle.from_bytes(data))``: the handle's wire form, as ``Handle.to_bytes``
         wrote it, straight to a lease. An object of this tenant's object table is read, checked
         and held in one native call; anything else takes ``acquire``'s path, and raises as it does."""
-        lease = self._acquire_wire(bytes(data))
-        return lease if lease is not None else self.acquire(Handle.from_bytes(data), ttl_ms=ttl_ms)
-
-    def _acquire_wire(self, data: bytes) -> Lease | None:
-        """The lease ``acquire_bytes`` takes in one native call; None when that call does not take
-        the handle."""
+        data = bytes(data)
         if self._deferred:
             self._requeue_deferred(force=False)  # releases whose views are gone by now
         # No liveness check here: the native call compares the handle's daemon instance with this
@@ -106,11 +101,9 @@ class Consumer(_Client):
         if tables is None or tables.table is not self._conn.table:
             with self._lock:
                 tables = self._table_client()
-            if tables is None:
-                return None
-        got = tables.lane.acquire_wire(data)  # (a refusal raises)
+        got = None if tables is None else tables.lane.acquire_wire(data)  # (a refusal raises)
         if got is None:
-            return None
+            return self.acquire(Handle.from_bytes(data), ttl_ms=ttl_ms)
         memory, dtype, shape, digest, index, generation = got
         if table.fault_point is not None:  # (inline: a handoff's hot path)
             table.fault_point("t_after_acquire")

@@ -91,7 +91,7 @@ class Placed:
     offset: int  # arena offset
     nbytes: int
     grant: _Grant
-    wire: bytes | None  # its handle's wire form (None: one protobuf writes)
+    wire: bytes  # its handle's wire form
     memory: memoryview | None  # a view of its bytes, until the loan takes it
     held: bool = True  # this producer's bit is set
     committed: bool = False

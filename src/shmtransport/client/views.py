@@ -3,6 +3,7 @@ until release), and the view tracking both share: a release waits while a numpy 
 of the bytes is still alive, and one garbage-collected unreleased warns, then is released."""
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Protocol, Sequence, TypeVar
@@ -61,14 +62,17 @@ class View:
     """Shared machinery of a Loan, a Lease and a remote tier's buffer: a typed view over the bytes
     a handle names, whose release waits until no numpy or torch view of them is alive."""
 
+    # Defaults a view changes when it must (class attributes: a handoff's hot path sets none).
+    _array: np.ndarray | None = None
+    _roots: tuple[weakref.ref[npt.NDArray[np.uint8]], ...] = ()  # every buffer this view cut typed arrays from
+    _released = False
+    _sealed = False  # a committed loan hands out no more (writable) views
+
     def __init__(self, client: ViewOwner, handle: Handle, memory: memoryview) -> None:
+        # (Loan and Lease set these three themselves: one frame less on a handoff's hot path.)
         self._client = client
         self.handle = handle
         self._memory: memoryview | None = memory  # None once let go (released, or committed and unviewed)
-        self._array: np.ndarray | None = None
-        self._roots: list[weakref.ref[npt.NDArray[np.uint8]]] = []  # every buffer this view cut typed arrays from
-        self._released = False
-        self._sealed = False  # a committed loan hands out no more (writable) views
 
     @property
     def closed(self) -> bool:
@@ -78,9 +82,10 @@ class View:
     @property
     def array(self) -> np.ndarray:
         """Zero-copy numpy view with the tensor's dtype and shape."""
-        if self._array is None:
-            self._array = self._typed(self._check_viewable())
-        return self._array
+        array = self._array
+        if array is None:
+            array = self._array = self._typed(self._check_viewable())
+        return array
 
     def tensor(self) -> torch.Tensor:
         """Zero-copy torch tensor over the same bytes (bfloat16 included)."""
@@ -88,11 +93,14 @@ class View:
 
     def _check_viewable(self) -> memoryview:
         """The bytes, while new views of them may be made."""
-        if self._released:
-            raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
-        if self._sealed:
-            raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
-        return self._live_memory()
+        memory = self._memory
+        if memory is None or self._released or self._sealed:
+            if self._released:
+                raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
+            if self._sealed:
+                raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
+            return self._live_memory()  # (which raises)
+        return memory
 
     def _live_memory(self) -> memoryview:
         """Our slice of the bytes; ClosedError once it was let go (released or committed, and no
@@ -103,10 +111,11 @@ class View:
 
     def _typed(self, memory: memoryview) -> np.ndarray:
         """The handle's dtype and shape over ``memory``, tracked by ``_views_alive``."""
-        root: np.ndarray = np.ndarray(self.handle.shape, dtype_from_name(self.handle.dtype), memory)
+        handle = self.handle
+        root: np.ndarray = np.ndarray(handle.shape, dtype_from_name(handle.dtype), memory)
         # numpy points every view derived from ``root`` (slices, reshapes, torch.from_numpy)
         # at ``root`` itself, so its weakref says whether any view of these bytes is alive.
-        self._roots.append(weakref.ref(root))
+        self._roots += (weakref.ref(root),)
         return root
 
     def _views_alive(self) -> bool:
@@ -138,8 +147,9 @@ class View:
         # The one finalizer policy (views, loans, leases, remote buffers): warn, then release.
         # Never here: a finalizer runs on whichever thread the collector happens to, inside any
         # lock, so the client's background thread does it. A closed client released it already.
-        if not getattr(self, "_released", True) and not self._client.closed:
-            self._client._collected_unreleased(self)  # first: the warning may be an error
+        client = getattr(self, "_client", None)  # (None: its __init__ failed before setting it)
+        if client is not None and not self._released and not client.closed:
+            client._collected_unreleased(self)  # first: the warning may be an error
             warnings.warn(f"{type(self).__name__} {self.handle!r} was never released: released by the garbage "
                           "collector (call release, or use it as a context manager)", ResourceWarning, 2)
 
@@ -153,7 +163,7 @@ class Loan(View):
                  placed: tuple[TableClient, Placed] | None = None) -> None:
         """``placed``: the object-table entry of a loan placed in this producer's own grant."""
         arena.unprotect(memory)  # the bytes of an object committed here earlier may be read-only
-        super().__init__(client, handle, memory)
+        self._client, self.handle, self._memory = client, handle, memory  # (View.__init__'s, one frame less)
         self._placed = placed
         self.committed = False
         if _call_sites.enabled:  # a leak check is on: remember the caller for its report
@@ -173,11 +183,13 @@ class Loan(View):
         """Committed bytes are immutable: ``array`` becomes read-only (a write raises ValueError)
         and, while any view of the bytes is alive, their whole pages are made read-only in this
         process (a write through any other view, a torch tensor included, faults: SIGSEGV)."""
-        if self._array is not None:
-            self._array.flags.writeable = False
-            # Dropped before the check: our own cached array is no caller's view, and protecting
-            # costs ~0.1 ms of page-table work here and again when the range is loaned next.
-            self._array = None
+        array, self._array = self._array, None
+        # Our own cached array is no caller's view: dropped before the check, as protecting costs
+        # ~0.1 ms of page-table work here and again when the range is loaned next. Made read-only
+        # only when the caller holds it too (our reference and getrefcount's own are the two).
+        if array is not None and sys.getrefcount(array) > 2:
+            array.flags.writeable = False
+        del array
         self._sealed = True
         if self._roots and self._views_alive():
             if self._memory is not None:
@@ -204,17 +216,17 @@ class Lease(View):
     """A consumer's read-only view of committed bytes, valid until ``release``."""
 
     _client: LeaseOwner
+    _private: np.ndarray | None = None  # tensor()'s private pages
 
     def __init__(self, client: LeaseOwner, handle: Handle, memory: memoryview, lease_id: int,
                  table: TableClient | None = None, slot_key: tuple[int, int] = (0, 0)) -> None:
         """``table``: set for a lease held with this client's bit in the object table
         (``lease_id`` 0) on the object ``slot_key`` (table index, generation); otherwise the
         daemon's lease ``lease_id``."""
-        super().__init__(client, handle, memory)
+        self._client, self.handle, self._memory = client, handle, memory  # (View.__init__'s, one frame less)
         self.lease_id = lease_id
         self._table = table
         self._slot_key = slot_key
-        self._private: np.ndarray | None = None
         if _call_sites.enabled:  # a leak check is on: remember the caller for its report
             _call_sites.record(self)
 
