@@ -1,9 +1,11 @@
-"""``objtable.GrantSpace``: a producer's grant placed in by one native call (``shmt_grant_*``).
+"""``objtable.GrantSpace``: a producer's grant placed in by one native call (``shmt_grant_*``,
+through the table lane: ``shmt_lane_place``, ``shmt_lane_release_own``).
 
 Hypothesis drives random placements, releases and reclaims on a real table and checks every
 choice against the reference it must equal: ``allocator.Allocator`` (the same best-fit offsets)
 and a first-in-first-out queue of the grant's slots; each placed object must also be published
-in its slot (generation, offset, size, owner).
+in its slot (generation, offset, size, owner), with a view of exactly its bytes and the wire form
+of its handle.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shmtransport import objtable
+from shmtransport import handle_wire, objtable
 from shmtransport.allocator import PAGE, Allocator
 from shmtransport.errors import InvalidArgument, ResourceExhausted, StateError
 from shmtransport.objtable import GrantSpace, ObjectTable
@@ -30,16 +32,25 @@ BIT = 3
 SIZES = st.one_of(st.integers(1, 300), st.integers(4000, 70_000), st.sampled_from([64, 4096, 65_536, 1 << 20]))
 
 
+IDS = ("arena", "owner", "instance")  # what the lane writes into a handle's wire form
+
+
 def _table() -> tuple[mmap.mmap, ObjectTable]:
     nbytes = objtable.table_nbytes(TABLE_SLOTS)
     memory = mmap.mmap(-1, 2 * nbytes)
     return memory, ObjectTable(memoryview(memory)[:nbytes], memoryview(memory)[nbytes:], TABLE_SLOTS)
 
 
+def _lane(table: ObjectTable, arena: mmap.mmap):
+    return table.open_lane(BIT, IDS, memoryview(arena))
+
+
 class GrantMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.memory, self.table = _table()
+        self.arena = mmap.mmap(-1, GRANT_OFFSET + GRANT_NBYTES)
+        self.lane = _lane(self.table, self.arena)
         self.space = GrantSpace(GRANT_OFFSET, GRANT_NBYTES, FIRST_SLOT, NSLOTS)
         self.reference = Allocator(GRANT_NBYTES)
         self.free_slots = collections.deque(range(FIRST_SLOT, FIRST_SLOT + NSLOTS))
@@ -52,7 +63,7 @@ class GrantMachine(RuleBasedStateMachine):
 
     @rule(nbytes=SIZES)
     def place(self, nbytes: int) -> None:
-        placed = self.table.place_in(self.space, nbytes, BIT)
+        placed = self.lane.place(self.space.address, nbytes, nbytes, b"uint8", (nbytes,))
         try:
             expected = self.reference.allocate(nbytes) if self.free_slots else None
         except ResourceExhausted:
@@ -61,7 +72,11 @@ class GrantMachine(RuleBasedStateMachine):
             assert placed is None
             return
         assert placed is not None
-        offset, generation, slot = placed
+        offset, generation, slot, wire, view = placed
+        assert view.nbytes == nbytes and view.obj is self.arena
+        assert handle_wire.parse(wire) == handle_wire.WireFields(
+            handle_wire.Where(IDS[0], offset, nbytes, IDS[1], generation, IDS[2], slot + 1), "uint8", (nbytes,), b"",
+            b"")
         assert (offset, slot) == (GRANT_OFFSET + expected, self.free_slots.popleft())
         self.generations[slot] += 1
         assert generation == self.generations[slot]
@@ -79,7 +94,7 @@ class GrantMachine(RuleBasedStateMachine):
         slot = data.draw(st.sampled_from(sorted(self.live)))
         generation, local = self.live.pop(slot)
         if reclaim_now:
-            assert self.table.release_in(self.space, slot, generation, BIT, cancel_handoff=True) == 0
+            assert self.lane.release_own(self.space.address, slot, generation, True) == (0, 0)
             self._returned(slot, local)
             return
         assert self.table.acquire(slot, generation, int(self.table.columns[slot]["offset"]),
@@ -87,7 +102,7 @@ class GrantMachine(RuleBasedStateMachine):
         self.table.commit(slot, generation, BIT, deadline_ns=0)
         assert self.table.acquire(slot, generation, int(self.table.columns[slot]["offset"]),
                                   int(self.table.columns[slot]["nbytes"]), BIT + 1) is objtable.SlotStatus.OK
-        assert self.table.release_in(self.space, slot, generation, BIT, cancel_handoff=True) == 1 << (BIT + 1)
+        assert self.lane.release_own(self.space.address, slot, generation, True) == (0, 1 << (BIT + 1))
         assert self.table.release(slot, generation, BIT + 1) == 0
         self.dead[slot] = local
 
@@ -133,11 +148,12 @@ def test_a_publish_refused_by_the_table_takes_nothing_from_the_grant():
     """A slot that is not free (only a corrupted table has one) refuses the publish: the error
     is the table's, and the grant keeps its bytes and that slot."""
     memory, table = _table()
+    arena = mmap.mmap(-1, 4 * PAGE)
     try:
         space = GrantSpace(0, 4 * PAGE, FIRST_SLOT, 2)
         table.publish(FIRST_SLOT, 0, 64, BIT + 1)  # someone else's object in the grant's first slot
         with pytest.raises(StateError):
-            table.place_in(space, 100, BIT)
+            _lane(table, arena).place(space.address, 100, 100, b"uint8", (100,))
         assert (space.free_slots, space.used_nbytes, space.largest_free_nbytes) == (2, 0, 4 * PAGE)
     finally:
         table.close()

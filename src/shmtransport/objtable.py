@@ -147,10 +147,10 @@ class _CSlots:
 class GrantSpace:
     """A producer's grant, as the C kernels place in it (``shmt_grant_*``): its free bytes (the
     best-fit policy of ``allocator.Allocator``, which tests check it against) and its free slots
-    (reused first in, first out), in process-local memory. ``ObjectTable.place_in`` places an
-    object there with one native call, ``release_in`` and ``reclaim_in`` give it back; only with
-    the C kernels (a client without them has no
-    table). Not thread-safe: the producer's lock serializes it."""
+    (reused first in, first out), in process-local memory. A table lane (``ObjectTable.open_lane``)
+    places an object there with one native call and gives it back with another, as does
+    ``ObjectTable.reclaim_in`` for one that died while others held it; only with the C kernels (a
+    client without them has no table). Not thread-safe: the producer's lock serializes it."""
 
     __slots__ = ("_memory", "_space", "nslots", "address")
 
@@ -240,35 +240,6 @@ class ObjectTable:
         rc, generation = self._kernels.publish(index, offset, nbytes, bit)
         self._ok(rc, index)
         return generation
-
-    def place_in(self, space: GrantSpace, nbytes: int, bit: int) -> tuple[int, int, int] | None:
-        """A new object of ``nbytes`` in the grant ``space`` (its bytes and its oldest free slot),
-        held by ``bit``: (arena offset, generation, table index); None when the grant has no room."""
-        kernels = self._kernels
-        if not isinstance(kernels, _CSlots) or not self.writable:
-            raise StateError("place_in: this process does not place objects in this table")
-        out = kernels._ffi.new("uint64_t[3]")
-        rc = kernels._lib.shmt_grant_place(space._space, kernels.slots, kernels.holds, self.nslots, nbytes, bit, out)
-        if rc:
-            if rc == kernels._lib.SHMT_GRANT_NO_ROOM:
-                return None
-            raise_for(self._status(rc), int(out[2]))
-        return int(out[0]), int(out[1]), int(out[2])
-
-    def release_in(self, space: GrantSpace, index: int, generation: int, bit: int, cancel_handoff: bool) -> int:
-        """``release`` of an object of the grant ``space``; when it dies (0 holders left, the
-        result), its bytes and slot come back to the grant in the same native call."""
-        kernels = self._kernels
-        if not isinstance(kernels, _CSlots):
-            raise StateError("release_in: this process does not place objects in this table")
-        out = kernels._ffi.new("uint64_t[1]")
-        rc = kernels._lib.shmt_grant_release(space._space, kernels.slots, kernels.holds, self.nslots, index,
-                                             generation, bit, cancel_handoff, out)
-        if rc:
-            if rc == kernels._lib.SHMT_GRANT_NOT_LIVE:
-                raise StateError(f"object slot {index}: no live object of this grant")
-            raise_for(self._status(rc), index)
-        return int(out[0])
 
     def reclaim_in(self, space: GrantSpace, index: int) -> None:
         """The object of the grant ``space`` in ``index`` died: its bytes and slot come back to the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import select
 import socket
 import stat
 import struct
@@ -47,6 +48,7 @@ class _Connection:
         self.daemon_uid = self.expected_daemon_uid  # the authenticated peer's, once connected
         self._lock = threading.Lock()
         self._session_sock: socket.socket | None = None
+        self._session_poll: select.poll | None = None  # readable: the session socket hit EOF
         self._channel: grpc.Channel | None = None
         self.stub: pb_grpc.DaemonStub | None = None
         self.mapping: arena.ArenaMapping | None = None
@@ -93,16 +95,13 @@ class _Connection:
             self.ensure()
 
     def _session_alive(self) -> bool:
-        """The daemon never writes after the handshake, so readable means EOF: it is gone."""
-        sock = self._session_sock
-        if sock is None:
+        """The daemon never writes after the handshake, so readable means EOF: it is gone. (A
+        poll, not a peeking recv: that raises BlockingIOError while all is well, and an exception
+        costs more than the syscall on a handoff's hot path.)"""
+        poller = self._session_poll
+        if poller is None:
             return False  # not connected (set together with ``stub``)
-        try:
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
+        return not poller.poll(0)  # readable (EOF), hung up or failed: gone
 
     def _connect(self) -> None:
         _check_fd_headroom()
@@ -158,6 +157,8 @@ class _Connection:
         self.daemon_uid = daemon_uid
         self.hello = hello
         self._session_sock = sock
+        self._session_poll = select.poll()
+        self._session_poll.register(sock, select.POLLIN)
         self._metadata = ((SESSION_METADATA_KEY, hello.token),)
         self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=GRPC_OPTIONS)
         self.stub = pb_grpc.DaemonStub(self._channel)
@@ -284,7 +285,7 @@ class _Connection:
                 arena.detach(mapping)
         if self.mapping is not None:
             arena.detach(self.mapping)
-        self._channel = self.stub = self._session_sock = self.mapping = None
+        self._channel = self.stub = self._session_sock = self._session_poll = self.mapping = None
         self.table = self.holder_bit = None
         self._table_mappings = ()
 

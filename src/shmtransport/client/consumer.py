@@ -163,9 +163,16 @@ class Consumer(_Client):
         for lease in leases:
             if lease._client is not self:
                 raise OwnershipError(f"{lease!r} belongs to another Consumer")
-        live = [lease for lease in leases if not lease._released]
-        if live:
-            self._release_views(live)
+        rest = []
+        for lease in leases:
+            if lease._released:
+                continue
+            if lease._table is not None:
+                self._release_held(lease)  # (no lock: the lane counts it)
+            else:
+                rest.append(lease)
+        if rest:
+            self._release_views(rest)
         if wait:
             self.flush()
 

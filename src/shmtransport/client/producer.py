@@ -63,7 +63,11 @@ class Producer(_Client):
             spec = ("uint8", (nbytes,), nbytes)  # (_loan_spec's answer, without its frame: a handoff's hot path)
         else:
             spec = _loan_spec(nbytes, shape, dtype)
-        return self._loans([spec], dedicated)[0]
+        if not dedicated:
+            loans = self._place([spec])
+            if loans is not None:
+                return loans[0]
+        return self._loan_rpc([spec], dedicated)[0]
 
     def loan_many(self, specs: Iterable[tuple[int | None, Sequence[int] | None, Any]],
                   *, dedicated: bool = False) -> list[Loan]:
@@ -81,6 +85,10 @@ class Producer(_Client):
             loans = self._place(typed)
             if loans is not None:
                 return loans
+        return self._loan_rpc(typed, dedicated)
+
+    def _loan_rpc(self, typed: list[tuple[str, tuple[int, ...], int]], dedicated: bool) -> list[Loan]:
+        """Loans the daemon places (dedicated ones, or with no table or no slot of it free)."""
         request = pb.LoanRequest(
             nbytes=[max(nbytes, 1) for _, _, nbytes in typed], wait_ms=int(self.alloc_wait_s * 1000),
             dedicated=dedicated,
@@ -99,9 +107,11 @@ class Producer(_Client):
             self._before_call("Loan")
         self._conn.ensure_recent()
         with self._lock:
-            tables = self._table_client()
-            if tables is None:
-                return None
+            tables = self._tables
+            if tables is None or tables.table is not self._conn.table:  # (_table_client's check, inline)
+                tables = self._table_client()
+                if tables is None:
+                    return None
             try:
                 if len(typed) == 1:  # (a handoff's hot path)
                     dt, shape, nbytes = typed[0]
@@ -332,14 +342,16 @@ class Producer(_Client):
         w = h.where
         if not w.slot:
             return False
-        if w.instance_id != self.instance_id:
+        if w.instance_id != (self.instance_id if tables is None else tables.ids[2]):
             raise Unavailable(f"handle of daemon instance {w.instance_id!r}, connected to "
                               f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
         slot = slot_index(w.slot)
-        if tables is None or not 0 <= slot < tables.table.nslots or tables.placed_by_daemon(slot):
+        if tables is None or not 0 <= slot < tables.table.nslots:
             return False
         placed = tables.owned(slot, w.generation)
         if placed is None:
+            if tables.placed_by_daemon(slot):
+                return False  # (never one of ours: the daemon answers for it)
             if w.owner_id == self._conn.hello.session_id and tables.placed_by_me(slot):
                 raise HandleError(f"stale handle: {h!r} was already freed", Reason.STALE_HANDLE)
             raise OwnershipError(f"{h!r} is not an object of this producer")

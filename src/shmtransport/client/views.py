@@ -84,7 +84,10 @@ class View:
         """Zero-copy numpy view with the tensor's dtype and shape."""
         array = self._array
         if array is None:
-            array = self._array = self._typed(self._check_viewable())
+            memory = self._memory
+            if memory is None or self._released or self._sealed:
+                memory = self._check_viewable()  # (which raises)
+            array = self._array = self._typed(memory)
         return array
 
     def tensor(self) -> torch.Tensor:
@@ -93,14 +96,11 @@ class View:
 
     def _check_viewable(self) -> memoryview:
         """The bytes, while new views of them may be made."""
-        memory = self._memory
-        if memory is None or self._released or self._sealed:
-            if self._released:
-                raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
-            if self._sealed:
-                raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
-            return self._live_memory()  # (which raises)
-        return memory
+        if self._released:
+            raise ClosedError(f"{type(self).__name__} already released: its view is gone", Reason.VIEW_RELEASED)
+        if self._sealed:
+            raise ClosedError(f"{self!r} is committed: its bytes are immutable now", Reason.VIEW_RELEASED)
+        return self._live_memory()
 
     def _live_memory(self) -> memoryview:
         """Our slice of the bytes; ClosedError once it was let go (released or committed, and no
