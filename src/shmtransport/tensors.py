@@ -69,8 +69,8 @@ _NUMPY_NAMES: dict[np.dtype, str] = {np.dtype(name): name for name in DTYPES if 
 def dtype_name(x: Any) -> str:
     """vLLM's dtype name (``str(torch.dtype)`` minus ``torch.``) of a name, a numpy array / dtype,
     or a torch tensor / dtype. Only the 13 dtypes of ``DTYPES``; numpy data must be little-endian."""
-    if isinstance(x, np.ndarray) and np.little_endian:
-        known = _NUMPY_NAMES.get(x.dtype)
+    if np.little_endian and isinstance(x, (np.ndarray, np.dtype)):
+        known = _NUMPY_NAMES.get(x.dtype if isinstance(x, np.ndarray) else x)
         if known is not None:
             return known
     if isinstance(x, str):

@@ -27,6 +27,10 @@ from .session import _Client
 from .table import TableClient
 from .views import Loan
 
+# Below the C kernels' threshold for non-temporal stores (SHMT_NT_MIN_NBYTES) their copy is one
+# memcpy in the calling thread, as a memoryview assignment is.
+INLINE_COPY_NBYTES = 256 * 1024
+
 
 class Producer(_Client):
     """The frontend's side: ``loan`` (write a tensor in place) or ``put`` (copy one in), ``commit``
@@ -285,6 +289,8 @@ class Producer(_Client):
                 if digest:
                     loan.handle = loan.handle.with_digest(
                         kernels.copy_tree_digest(loan._live_memory(), src, self.copy_threads))
+                elif src.nbytes < INLINE_COPY_NBYTES:
+                    loan._live_memory()[:] = src.data  # (one memcpy: the kernel's wrapper costs more than the copy)
                 else:
                     kernels.copy(loan._live_memory(), src, self.copy_threads)
             handles = self.commit_many(loans, hold_ms=hold_ms)
