@@ -137,8 +137,11 @@ class Producer(_Client):
                 assert memory is not None
                 loans.append(Loan(self, Handle._of(where, obj.wire, dt, shape), memory if nbytes else memory[:0],
                                   (tables, obj)))
-            if tables.give_back or not self._background.pending:
-                self._schedule_flush()  # idle grants go back in the background
+            if tables.give_back:
+                self._schedule_flush()  # grants this placement let go of go back in the background
+            # Nothing else to schedule: a grant can only turn idle once objects in it are released,
+            # and a release schedules the background look. (Waking that thread here would put it
+            # in the middle of the handoff this loan starts.)
             return loans
 
     def commit_many(

@@ -20,7 +20,7 @@ from ..errors import (
     Reason,
 )
 from ..handle import Handle
-from ..tensors import dtype_from_name, to_torch
+from ..tensors import DTYPES, dtype_from_name, to_torch
 from .table import Placed, TableClient
 
 if TYPE_CHECKING:
@@ -112,7 +112,11 @@ class View:
     def _typed(self, memory: memoryview) -> np.ndarray:
         """The handle's dtype and shape over ``memory``, tracked by ``_views_alive``."""
         handle = self.handle
-        root: np.ndarray = np.ndarray(handle.shape, dtype_from_name(handle.dtype), memory)
+        try:  # (the handle's fields, not its properties: a handoff's hot path)
+            dtype = DTYPES[handle._dtype]
+        except KeyError:
+            dtype = dtype_from_name(handle._dtype)  # (which raises)
+        root: np.ndarray = np.ndarray(handle._shape, dtype, memory)
         # numpy points every view derived from ``root`` (slices, reshapes, torch.from_numpy)
         # at ``root`` itself, so its weakref says whether any view of these bytes is alive.
         self._roots += (weakref.ref(root),)
