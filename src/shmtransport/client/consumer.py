@@ -118,9 +118,9 @@ class Consumer(_Client):
                 self._deferred.append(lease)
                 self._schedule_flush()
             return
-        lease._forget_memory()
+        lease._memory = None  # (_forget_memory, inline: a handoff's hot path)
         tables = lease._table
-        if self._live_table(tables):
+        if tables is self._tables and tables is not None and tables.table is self._conn.table:  # (_live_table)
             try:
                 tables.release_lease(*lease._slot_key)
             except Unavailable:

@@ -286,7 +286,10 @@ class Producer(_Client):
         """``put`` for every tensor, all or nothing, with at most one Loan and one Commit RPC
         (none with the object table)."""
         sources = [as_byte_array(t) for t in tensors]
-        loans = self.loan_many([(src.nbytes, shape, dt) for src, dt, shape in sources], dedicated=dedicated)
+        if not sources:
+            raise InvalidArgument("tensors must not be empty")
+        # (as_byte_array checked each dtype and rank; shapes and sizes are numpy's or torch's own)
+        loans = self._loans([(dt, shape, src.nbytes) for src, dt, shape in sources], dedicated)
         try:
             for loan, (src, _, _) in zip(loans, sources):
                 if digest:
@@ -340,9 +343,12 @@ class Producer(_Client):
             return handles
         self._conn.ensure_recent()
         with self._lock:
-            tables = self._table_client()
+            tables = self._tables
+            if tables is None or tables.table is not self._conn.table:  # (_table_client's check, inline)
+                tables = self._table_client()
             rest = [h for h in handles if not self._release_placed(tables, h)]
-            self._schedule_flush()  # grants to give back once their objects die
+            if tables is None or tables.give_back or not self._background.pending:
+                self._schedule_flush()  # grants to give back once their objects die (else asked for already)
         return rest
 
     def _release_placed(self, tables: TableClient | None, h: Handle) -> bool:
