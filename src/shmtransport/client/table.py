@@ -369,13 +369,15 @@ class TableClient:
     def release_lease(self, slot: int, generation: int) -> None:
         """Drop one lease; the last clears this client's hold bit. StateError (DOUBLE_RELEASE)
         if this client holds none."""
-        status = status_of(self.lane.release(slot, generation))
-        if status is SlotStatus.NOT_HELD:
-            raise StateError(f"object slot {slot}: no lease of this client", Reason.DOUBLE_RELEASE)
+        rc = self.lane.release(slot, generation)
+        if rc:
+            status = status_of(rc)
+            if status is SlotStatus.NOT_HELD:
+                raise StateError(f"object slot {slot}: no lease of this client", Reason.DOUBLE_RELEASE)
         if fault_point is not None:
             fault_point("t_after_release")
-        if status is not SlotStatus.OK:
-            raise_for(status, slot)
+        if rc:
+            raise_for(status_of(rc), slot)
 
     @property
     def lease_count(self) -> int:
