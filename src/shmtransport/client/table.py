@@ -99,7 +99,9 @@ class Placed:
 
 
 class TableClient:
-    """Not thread-safe by itself: the owning client serializes calls with its lock."""
+    """Not thread-safe by itself: the owning client serializes calls with its lock, except a
+    commit (one atomic step in the table, on an object only its own loan commits) and the lease
+    calls (the lane counts leases itself)."""
 
     def __init__(self, table: ObjectTable, bit: int, mapping: ArenaMapping, ids: tuple[str, str, str],
                  arena_nbytes: int, handoff_window_ms: int, max_hold_ms: int, grant: GrantCall):
