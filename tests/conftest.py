@@ -199,6 +199,16 @@ def daemon(make_daemon) -> Daemon:
 
 
 @pytest.fixture
+def pair(daemon):
+    """A producer and a consumer of ``daemon``, closed after the test."""
+    from shmtransport.client import Consumer, Producer
+
+    with Producer(daemon.config.socket_path, timeout_s=10.0) as producer, \
+            Consumer(daemon.config.socket_path, timeout_s=10.0) as consumer:
+        yield producer, consumer
+
+
+@pytest.fixture
 def new_prefix():
     """Factory of segment-name prefixes for daemons a test starts itself (e.g. through the CLI)."""
     return testing.unique_prefix

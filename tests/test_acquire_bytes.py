@@ -8,18 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shmtransport.client import Consumer, Handle, Producer
+from shmtransport.client import Handle, Producer
 from shmtransport.errors import ShmTransportError
 from shmtransport.handle import Where
-
-TIMEOUT_S = 10.0
-
-
-@pytest.fixture
-def pair(daemon):
-    with Producer(daemon.config.socket_path, timeout_s=TIMEOUT_S) as producer, \
-            Consumer(daemon.config.socket_path, timeout_s=TIMEOUT_S) as consumer:
-        yield producer, consumer
 
 
 def _put(producer: Producer, shape=(3, 5), dtype=np.float32) -> tuple[np.ndarray, Handle]:

@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmtransport import objtable
-from shmtransport.client import Consumer, Producer
 from shmtransport.errors import HandleError, InvalidArgument, Reason, StateError, Unavailable
 from shmtransport.objtable import HANDOFF, slot_index
 from shmtransport.tensors import DTYPES
@@ -21,13 +20,6 @@ from shmtransport.tensors import DTYPES
 pytestmark = pytest.mark.skipif(not objtable.available(), reason="the table lane is part of the C kernels")
 
 TIMEOUT_S = 10.0
-
-
-@pytest.fixture
-def pair(daemon):
-    with Producer(daemon.config.socket_path, timeout_s=TIMEOUT_S) as producer, \
-            Consumer(daemon.config.socket_path, timeout_s=TIMEOUT_S) as consumer:
-        yield producer, consumer
 
 
 def _holders(client, handle) -> int:
