@@ -1,9 +1,10 @@
 """Build hooks pyproject.toml cannot express; everything else lives in pyproject.toml.
 
 - cffi's out-of-line API-mode build (``cffi_modules``) of the C kernels, and the object table's
-  fast lane (``_shmt_lane``), as optional extensions: without a working C compiler the install
-  still succeeds, with a warning, and the package runs on its pure-Python kernels
-  (``shmtransport.BACKEND == "python"``).
+  fast lane (``_shmt_lane``), as optional extensions: without a working C compiler (or without
+  Python.h) the install still succeeds, with a warning, and the package runs on its pure-Python
+  kernels (``shmtransport.BACKEND == "python"``). pip shows that warning only with ``-v``, so a
+  build that must have them sets ``SHMTRANSPORT_REQUIRE_NATIVE=1``: then it fails instead.
 - The .proto files ship in the wheel under ``shmtransport/proto/``, import paths intact.
 - The extensions use only the stable ABI, so the wheel is tagged abi3 (one wheel for 3.10+).
 - Platforms the transport cannot work on are refused here, before anything is compiled.
@@ -37,18 +38,20 @@ from setuptools.command.build_py import build_py  # noqa: E402
 
 
 class OptionalKernels(build_ext):
-    """Build the C kernels if this machine can; otherwise warn and leave the pure-Python ones."""
+    """Build the C kernels if this machine can; otherwise warn and leave the pure-Python ones
+    (under ``SHMTRANSPORT_REQUIRE_NATIVE=1``, fail)."""
 
     def build_extensions(self):
+        required = os.environ.get("SHMTRANSPORT_REQUIRE_NATIVE") == "1"
         for ext in self.extensions:
-            ext.optional = True  # setuptools then reports a failed build as a warning, not an error
+            ext.optional = not required  # optional: setuptools reports a failed build as a warning, not an error
         super().build_extensions()
-        for ext in self.extensions:
-            if not os.path.exists(self.get_ext_fullpath(ext.name)):
-                self.warn(
-                    "shmtransport: the C kernels could not be built (is a C compiler installed?). "
-                    "Installing with the pure-Python kernels, about 1.3x slower to hash; "
-                    "shmtransport.BACKEND says which kernels run.")
+        if not all(os.path.exists(self.get_ext_fullpath(ext.name)) for ext in self.extensions):
+            self.warn(
+                "shmtransport: the C kernels could not be built (is a C compiler installed, and Python.h?). "
+                "Installing with the pure-Python kernels, about 1.5x slower to hash; "
+                "shmtransport.BACKEND says which kernels run (SHMTRANSPORT_REQUIRE_NATIVE=1 makes this an "
+                "error).")
 
 
 class WithProtos(build_py):

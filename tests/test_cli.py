@@ -287,7 +287,7 @@ def test_stat_counts_only_a_kill_as_a_death_and_what_a_close_left_as_released_at
             stat["released_at_close_nbytes"]) == released
     text = run_cli("stat", "--socket", sock).stdout
     # The CLI's own session of the stat above only looked: not one of the sessions closed.
-    assert "reclaimed (death) 1 leases, 0 uncommitted loans" in text
+    assert "reclaimed (death) 1 lease, 0 uncommitted loans" in text
     assert "(3 sessions closed; 1 more only looked" in text
 
 

@@ -27,6 +27,7 @@ _EXPORTS = {
     "Handle": ".handle",
     "Loan": ".client",
     "Lease": ".client",
+    "Published": ".client",
     "AsyncProducer": ".aio",
     "AsyncConsumer": ".aio",
     "InlinePolicy": ".frontend.request",

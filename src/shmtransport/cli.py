@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from . import BACKEND, __version__
-from .daemon.config import DaemonConfig
+from .daemon.config import DAEMON_FLAGS, DaemonConfig
 from .errors import MissingDependency, ShmTransportError
 from .socket_lock import SocketInUse
 from .stop_signal import StopSignal
@@ -41,6 +41,7 @@ _INSTALL = {
 # Exit status of a command whose output was cut short by its reader (128 + SIGPIPE, as a shell
 # reports a process that SIGPIPE killed).
 _EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -143,11 +144,17 @@ def _run_daemon(args: argparse.Namespace) -> int:
         object_slots=args.object_slots,
         share_object_table=args.share_object_table,
         handoff_window_ms=args.handoff_window_ms,
+        cache_nbytes=args.cache_size,
         shm_reserve_nbytes=args.shm_reserve,
         default_lease_ttl_ms=args.lease_ttl_ms,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
     )
+    try:
+        config.validate(DAEMON_FLAGS)
+    except ValueError as exc:
+        print(f"shmtransportd: {exc}", file=sys.stderr)
+        return 2
     problem = _check_socket_paths(config)
     if problem is not None:
         print(f"shmtransportd: {problem}", file=sys.stderr)
@@ -213,6 +220,11 @@ def _to_json(message: pb.StatResponse | pb.ListResponse) -> str:
     return json.dumps(value, indent=2)
 
 
+def _plural(count: int, noun: str) -> str:
+    """'1 object', '2 objects' (for the nouns counted here, which all take an s)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _without_session(clients: RepeatedCompositeFieldContainer[pb.ClientStat], session_id: str) -> None:
     """Drop the CLI's own session from a reply's client list: it is not one of the daemon's users."""
     for i in reversed(range(len(clients))):
@@ -236,32 +248,41 @@ def _run_stat(args: argparse.Namespace) -> int:
     print(f"used / free     {s.used_nbytes / mib:.1f} MiB / {s.free_nbytes / mib:.1f} MiB")
     print(f"largest free    {s.largest_free_nbytes / mib:.1f} MiB in {s.free_extents} extent(s)")
     print(f"granted         {s.granted_nbytes / mib:.1f} MiB to producers (placed in shared memory), "
-          f"{s.parked_nbytes / mib:.1f} MiB of it parked by idle producers ({s.parked_grants_taken} grants taken back)")
-    print(f"objects/leases  {s.live_objects} / {s.live_leases} ({s.handoff_objects} objects waiting for a first "
-          "acquire)")
+          f"{s.parked_nbytes / mib:.1f} MiB of it parked by idle producers ({_plural(s.parked_grants_taken, 'grant')} "
+          "taken back)")
+    print(f"objects/leases  {s.live_objects} / {s.live_leases} ({_plural(s.handoff_objects, 'object')} waiting for a "
+          "first acquire)")
     print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")
-    print(f"reclaimed (TTL) {s.reclaimed_ttl_leases} leases, {s.reclaimed_ttl_nbytes} bytes")
-    print(f"reclaimed (death) {s.reclaimed_death_leases} leases, {s.reclaimed_death_loans} uncommitted loans, "
-          f"{s.reclaimed_death_nbytes} bytes (sessions that ended without closing)")
-    print(f"released at close {s.released_at_close_leases} leases, {s.released_at_close_loans} uncommitted loans, "
-          f"{s.released_at_close_nbytes} bytes ({s.sessions_closed} sessions closed; "
-          f"{s.observer_sessions_closed} more only looked: stat, ls, health)")
-    print(f"reclaimed (hand-off window) {s.reclaimed_handoff_objects} objects, {s.reclaimed_handoff_nbytes} bytes")
-    print(f"quarantined     {s.quarantined_leases} expired leases of live clients, {s.quarantined_nbytes} bytes "
-          f"({s.quarantined_leases_total} ever)")
+    print(f"reclaimed (TTL) {_plural(s.reclaimed_ttl_leases, 'lease')}, {_plural(s.reclaimed_ttl_nbytes, 'byte')}")
+    print(f"reclaimed (death) {_plural(s.reclaimed_death_leases, 'lease')}, "
+          f"{_plural(s.reclaimed_death_loans, 'uncommitted loan')}, {_plural(s.reclaimed_death_nbytes, 'byte')} "
+          "(sessions that ended without closing)")
+    print(f"released at close {_plural(s.released_at_close_leases, 'lease')}, "
+          f"{_plural(s.released_at_close_loans, 'uncommitted loan')}, {_plural(s.released_at_close_nbytes, 'byte')} "
+          f"({_plural(s.sessions_closed, 'session')} closed; {s.observer_sessions_closed} more only looked: stat, "
+          "ls, health)")
+    print(f"reclaimed (hand-off window) {_plural(s.reclaimed_handoff_objects, 'object')}, "
+          f"{_plural(s.reclaimed_handoff_nbytes, 'byte')}")
+    print(f"quarantined     {_plural(s.quarantined_leases, 'expired lease')} of live clients, "
+          f"{_plural(s.quarantined_nbytes, 'byte')} ({s.quarantined_leases_total} ever)")
     print(f"tenant quota    {s.quota_nbytes / mib:.1f} MiB ({s.dedicated_nbytes / mib:.1f} MiB in dedicated "
-          f"segments), {s.quota_leases} leases")
+          f"segments), {_plural(s.quota_leases, 'lease')}")
+    print(f"identity index  {s.index_entries} entries, {s.index_nbytes / mib:.1f} MiB of a "
+          f"{s.index_budget_nbytes / mib:.1f} MiB budget; {s.index_hits} hits, {s.index_misses} misses; "
+          f"{s.index_published} published ({s.index_duplicates} already there), {s.index_evictions} evicted")
     print(f"clients         {len(s.clients)}")
     for c in s.clients:  # what the daemon books for it plus what it holds with its bit in the object table
         print(
             f"  pid {c.pid} uid {c.uid} session {c.session_id[:8]}: "
-            f"loaned {c.loaned_nbytes + c.table_loaned_nbytes} B, "
-            f"committed {c.committed_nbytes + c.table_committed_nbytes} B, {c.leases + c.table_leases} leases"
+            f"loaned {c.loaned_nbytes + c.table_loaned_nbytes} B, committed "
+            f"{c.committed_nbytes + c.table_committed_nbytes} B, {_plural(c.leases + c.table_leases, 'lease')}"
         )
     return 0
 
 
 def _state_of(info: pb.ObjectInfo) -> str:
+    """STATE in ``ls``: the object's state, "handoff" for a committed one waiting for a first acquire
+    (``--state committed`` shows those too, as their JSON state says)."""
     return "handoff" if info.handoff and info.state == "committed" else info.state
 
 
@@ -277,8 +298,9 @@ def _run_ls(args: argparse.Namespace) -> int:
             if (args.pid is None or args.pid == o.owner_pid or args.pid in o.holder_pids)
             and (args.session is None or o.owner_session.startswith(args.session)
                  or any(s.startswith(args.session) for s in o.holder_sessions))
-            and (args.state is None or _state_of(o) == args.state)
+            and (args.state is None or args.state in (o.state, _state_of(o)))
             and (not args.leased or len(o.holder_sessions) > 0)
+            and (not args.published or o.identity)
             and o.nbytes >= args.min_size]
     del listing.objects[:]
     listing.objects.extend(kept)
@@ -291,8 +313,10 @@ def _run_ls(args: argparse.Namespace) -> int:
         holders = " ".join(f"{pid}/{s[:8]}" for pid, s in zip(o.holder_pids, o.holder_sessions)) or "-"
         age = f"{o.age_s:.1f}" if o.age_s >= 0 else "-"
         where = o.segment_name or (str(o.offset))
-        print(f"{o.slot or '-':>6} {where:>12} {o.nbytes:>12} {_state_of(o):<9} {age:>8} {owner:<18} {holders}")
-    notes = [f"{len(kept)} shown of {listing.total_objects} live objects (tenant {listing.tenant})"]
+        identity = f"  [{o.identity}]" if o.identity else ""
+        print(f"{o.slot or '-':>6} {where:>12} {o.nbytes:>12} {_state_of(o):<9} {age:>8} {owner:<18} "
+              f"{holders}{identity}")
+    notes = [f"{len(kept)} shown of {_plural(listing.total_objects, 'live object')} (tenant {listing.tenant})"]
     if sent < listing.total_objects:
         notes.append(f"the daemon sent the largest {sent} only ({'--limit' if args.limit else 'its cap'})")
     if len(kept) < sent:
@@ -307,6 +331,7 @@ def _run_health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from .client import Consumer
+    from .client.connection import not_a_socket
 
     report = {"socket": args.socket, "status": "unhealthy"}
     try:
@@ -324,7 +349,7 @@ def _run_health(args: argparse.Namespace) -> int:
         report.update(status="ok", instance_id=s.arena.instance_id, tenant=s.tenant, arena_nbytes=s.arena.nbytes,
                       used_nbytes=s.used_nbytes, clients=len(s.clients), kernels=BACKEND)
     except grpc.RpcError as exc:
-        report["reason"] = f"no daemon answering at {args.socket}: {exc.code().name}"
+        report["reason"] = not_a_socket(args.socket) or f"no daemon answering at {args.socket}: {exc.code().name}"
     except (ShmTransportError, OSError) as exc:
         report["reason"] = str(exc)
     if args.json:
@@ -332,8 +357,8 @@ def _run_health(args: argparse.Namespace) -> int:
     elif report["status"] == "ok":
         used = 100 * report["used_nbytes"] / max(report["arena_nbytes"], 1)
         print(f"ok: shmtransportd {report['instance_id']} at {args.socket}, tenant {report['tenant']}, arena "
-              f"{report['arena_nbytes'] / (1 << 20):.1f} MiB ({used:.0f}% used), {report['clients']} clients, "
-              f"kernels {BACKEND}")
+              f"{report['arena_nbytes'] / (1 << 20):.1f} MiB ({used:.0f}% used), "
+              f"{_plural(report['clients'], 'client')}, kernels {BACKEND}")
     else:
         print(f"unhealthy: {report['reason']}")
     return 0 if report["status"] == "ok" else 1
@@ -362,6 +387,16 @@ def _run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_epd_proxy(argv: list[str]) -> int:
+    """The EPD proxy parses its own flags (it needs aiohttp, which vLLM brings)."""
+    try:
+        from .engine import epd_proxy
+    except ImportError as exc:
+        raise _missing_dependency(exc) from exc
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return epd_proxy.main(argv)
+
+
 def _run_vllm_worker(argv: list[str]) -> int:
     """vLLM's engine flags are parsed by vLLM's own parser (``--help`` too); without vLLM, one line."""
     from .engine import worker as engine_worker
@@ -373,17 +408,23 @@ def _run_vllm_worker(argv: list[str]) -> int:
     return engine_worker.run(parser.parse_args(argv))
 
 
+def _log_level_option(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default=default, metavar="LEVEL",
+                        help=f"{', '.join(_LOG_LEVELS)}, any case (default: %(default)s)")
+
+
 def _client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", default=default_socket_path(),
                         help="the daemon's socket (default: $SHMTRANSPORT_SOCKET, else %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=5.0)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--log-level", default="WARNING")
+    _log_level_option(parser, "WARNING")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``shmtransport`` argument parser, one subcommand each with its handler as ``func``."""
-    parser = _Parser(prog="shmtransport", description=__doc__)
+    # (the docstring's RST literals, ``x``, read as 'x' in a terminal)
+    parser = _Parser(prog="shmtransport", description=(__doc__ or "").replace("``", "'"))
     parser.add_argument("--version", action="version", version=f"shmtransport {__version__} (kernels: {BACKEND})")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -392,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Unix socket path; its directory (created if missing) must be writable by this uid only "
                         "(default: $SHMTRANSPORT_SOCKET, else %(default)s)")
     d.add_argument("--arena-size", type=_arena_size, default=None,
-                   help="arena bytes per tenant (default: half of /dev/shm free, split between the tenants)")
+                   help="arena bytes per tenant (default: half of the memory available to the daemon, at most "
+                        "8 GiB, split between the tenants)")
     d.add_argument("--name-prefix", default="shmt", help="prefix of segment names (default: %(default)s)")
     d.add_argument("--allow-uid", type=int, action="append",
                    help="uid allowed to connect, each its own tenant (repeatable; default: the daemon's uid)")
@@ -404,12 +446,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-sessions", type=int, default=256, help="per-tenant client sessions")
     d.add_argument("--max-hold-ms", type=int, default=60_000, help="longest hold a commit may ask for")
     d.add_argument("--object-slots", type=int, default=None,
-                   help="slots of each tenant's object table: how many objects live at once (default: one "
-                        "per 4 KiB of arena, 1024-65536)")
+                   help="slots of each tenant's object table: how many objects live at once, rounded up to "
+                        "whole 64-slot blocks and to one producer grant's (default: one per 4 KiB of arena, "
+                        "1024-65536)")
     d.add_argument("--no-shared-table", dest="share_object_table", action="store_false",
                    help="hand the object table to no client: every object goes through the daemon")
     d.add_argument("--handoff-window-ms", type=int, default=30_000,
                    help="how long a committed object nobody acquired outlives its producer")
+    d.add_argument("--cache-size", type=_size, default=None,
+                   help="per-tenant bytes of published objects (the encoder cache) kept with nobody holding "
+                        "them; the least recently used are evicted past it (default: half of --quota-bytes)")
     d.add_argument("--shm-reserve", type=_size, default=None,
                    help="/dev/shm bytes dedicated segments never take (default: 5%% of /dev/shm, at least 64 MiB)")
     d.add_argument("--lease-ttl-ms", type=int, default=300_000, help="default lease TTL")
@@ -429,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--remote-tls-key", default=None, metavar="PEM", help="its private key")
     r.add_argument("--remote-tls-ca", default=None, metavar="PEM",
                    help="the CA that signs the remote readers' client certificates (mutual TLS)")
-    d.add_argument("--log-level", default="INFO")
+    _log_level_option(d, "INFO")
     d.set_defaults(func=_run_daemon)
 
     s = sub.add_parser("stat", help="print the daemon's arena, leases and reclaim counters")
@@ -441,11 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--pid", type=int, default=None, help="only objects this process made or holds")
     ls.add_argument("--session", default=None, help="only objects of this session (a prefix of its id)")
     ls.add_argument("--state", choices=("loaned", "committed", "handoff", "held"), default=None,
-                    help="only objects in this state: loaned (written, not committed yet), committed, "
-                         "handoff (committed, waiting for a first acquire), held (committed with hold_ms: "
-                         "kept for that long without a lease)")
+                    help="only objects in this state: loaned (written, not committed yet), committed (the "
+                         "handoff ones too), handoff (committed, waiting for a first acquire), held (committed "
+                         "with hold_ms: kept for that long without a lease)")
     ls.add_argument("--leased", action="store_true",
                     help="only objects consumers hold leases on (HOLDERS not empty): who is holding memory")
+    ls.add_argument("--published", action="store_true",
+                    help="only objects published in the identity index (shown with [scope/identity])")
     ls.add_argument("--min-size", type=_size, default=0, help="only objects of at least this many bytes")
     ls.add_argument("--limit", type=_count, default=0, help="the daemon sends at most this many, largest first")
     ls.set_defaults(func=_run_ls)
@@ -464,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-workers", type=int, default=4, help="gRPC handler threads")
     w.add_argument("--torch-threads", type=int, default=None)
     w.add_argument("--no-host-register", action="store_true", help="do not cudaHostRegister the arena")
-    w.add_argument("--log-level", default="WARNING")
+    _log_level_option(w, "WARNING")
     w.set_defaults(func=_run_worker)
 
     # Every argument after "vllm-worker" is vLLM's parser's (main() hands them over before parsing;
@@ -474,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "(needs vLLM; its flags: shmtransport vllm-worker --help)")
     v.add_argument("vllm_args", nargs="*", help=argparse.SUPPRESS)
     v.set_defaults(func=lambda args: _run_vllm_worker(args.vllm_args), log_level="WARNING")
+
+    e = sub.add_parser("epd-proxy", add_help=False, prefix_chars="\0",
+                       help="one OpenAI endpoint in front of encoder-only and language-model vLLM servers "
+                            "(encoder disaggregation; its flags: shmtransport epd-proxy --help)")
+    e.add_argument("proxy_args", nargs="*", help=argparse.SUPPRESS)
+    e.set_defaults(func=lambda args: _run_epd_proxy(args.proxy_args), log_level="WARNING")
     return parser
 
 
@@ -492,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["vllm-worker"]:  # vLLM's engine flags: parsed by vLLM's own parser
             return _run_vllm_worker(argv[1:])
+        if argv[:1] == ["epd-proxy"]:
+            return _run_epd_proxy(argv[1:])
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
         run: Callable[[argparse.Namespace], int] = args.func

@@ -208,6 +208,7 @@ def _finish_daemon(daemon: "Daemon", item: pytest.Item | None) -> None:
 
 
 def _start(config: pytest.Config, **overrides: Any) -> "Daemon":
+    __tracebackhide__ = True  # a refused keyword or value is the test's line, not the plugin's
     overrides.setdefault("arena_nbytes", config.getoption("shm_arena_size"))
     return testing.start_daemon(**overrides)
 
@@ -231,9 +232,9 @@ def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes: tuple[str
     Its own /dev/shm entries: names with this process's ``testing.RUN_PREFIX`` (one per xdist
     worker, on every daemon fixture) or a daemon fixture's prefix or a ``shm_owned_prefixes``
     one, and entries this process opened or mapped or that it or its children hold at the end
-    (``testing.LeakCheck`` says exactly). New entries of other processes (other xdist workers,
-    anyone sharing /dev/shm) do not fail the test: they are noted in a "Captured shmtransport
-    teardown" section. Also applied by ``@pytest.mark.shm_leak_check``. The value is the
+    (``testing.LeakCheck`` says exactly); those it reports are removed then. New entries of other
+    processes (other xdist workers, anyone sharing /dev/shm) do not fail the test: they are noted
+    in a "Captured shmtransport teardown" section. Also applied by ``@pytest.mark.shm_leak_check``. The value is the
     ``testing.LeakCheck``, with knobs: ``check_fds = False``, ``own_shm(prefix)``,
     ``ignore_shm(prefix)``, ..."""
     item = request.node
@@ -264,12 +265,30 @@ def shm_leak_check(request: pytest.FixtureRequest, shm_owned_prefixes: tuple[str
 
 @pytest.fixture
 def shm_make_daemon(request: pytest.FixtureRequest) -> Iterator[Callable[..., "Daemon"]]:
-    """Factory: ``shm_make_daemon(**DaemonConfig overrides)`` → a started in-process Daemon."""
+    """Factory: ``shm_make_daemon(**DaemonConfig overrides)`` → a started in-process Daemon.
+
+    The keywords are ``DaemonConfig`` fields; those a ``shmtransport daemon`` flag sets:
+    ``arena_nbytes`` (``--arena-size``; default ``--shm-arena-size``), ``name_prefix``
+    (``--name-prefix``; default a unique one), ``socket_path`` (``--socket``; default in a short
+    /tmp directory), ``allowed_uids`` (``--allow-uid``), ``allowed_groups`` (``--allow-group``),
+    ``socket_group`` (``--group``), ``quota_nbytes`` (``--quota-bytes``), ``quota_leases``
+    (``--quota-leases``), ``max_sessions_per_tenant`` (``--max-sessions``), ``max_hold_ms``
+    (``--max-hold-ms``), ``object_slots`` (``--object-slots``), ``share_object_table``
+    (``--no-shared-table``), ``handoff_window_ms`` (``--handoff-window-ms``), ``cache_nbytes``
+    (``--cache-size``), ``shm_reserve_nbytes`` (``--shm-reserve``), ``default_lease_ttl_ms``
+    (``--lease-ttl-ms``), ``metrics_port`` (``--metrics-port``), ``metrics_address``
+    (``--metrics-address``); and without a flag: ``max_lease_ttl_ms``, ``default_hold_ms``,
+    ``shm_namespace``, ``commit_wait_s``, ``max_alloc_wait_ms``, ``page_align_min_nbytes``,
+    ``grpc_workers``, ``stop_grace_s``. Another keyword is a one-line TypeError naming the field
+    meant (``arena_size``: ``arena_nbytes``); a value out of range, ``DaemonConfig.validate``'s
+    one-line InvalidArgument (a ValueError) naming the field and its range."""
     item = request.node
     started = item.stash.setdefault(_item_daemons_key, [])
     mine: list[Daemon] = []
 
     def factory(**overrides: Any) -> "Daemon":
+        __tracebackhide__ = True
+        testing.daemons.check_config_fields(overrides, "shm_make_daemon")
         daemon = _start(request.config, **overrides)
         started.append(daemon)
         mine.append(daemon)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..handle import Handle
 from .consumer import Consumer
-from .producer import Producer
+from .producer import Producer, Published
 from .views import Lease, Loan
 
-__all__ = ["Consumer", "Handle", "Lease", "Loan", "Producer"]
+__all__ = ["Consumer", "Handle", "Lease", "Loan", "Producer", "Published"]

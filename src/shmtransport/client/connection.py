@@ -122,7 +122,8 @@ class _Connection:
             reply, fds = _read_session_reply(sock)
         except OSError as exc:
             sock.close()
-            raise Unavailable(f"cannot reach shmtransportd at {self.socket_path}: {exc}") from exc
+            raise Unavailable(not_a_socket(self.socket_path)
+                              or f"cannot reach shmtransportd at {self.socket_path}: {exc}") from exc
         except ShmTransportError:
             sock.close()
             raise
@@ -315,6 +316,19 @@ def _read_session_reply(sock: socket.socket, limit: int = 65536) -> tuple[pb.Ses
 # socket: waited out, backing off, until the caller's timeout; a refused connection is not.
 _CONNECT_RETRY_FIRST_S = 0.001
 _CONNECT_RETRY_MAX_S = 0.05
+
+
+def not_a_socket(path: str) -> str | None:
+    """Why nothing answers at ``path`` when it exists but is no socket (a directory, say), else None:
+    the connection's own error would name the session socket beside it, missing ("No such file")."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    kind = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "another kind of file"
+    return f"cannot reach shmtransportd at {path}: that path exists but is not a socket (it is {kind})"
 
 
 def _connect_within(sock: socket.socket, path: str, deadline: float) -> None:

@@ -57,7 +57,9 @@ class Consumer(_Client):
             if h.shm.instance_id != self.instance_id:
                 # Checked by the daemon too; failing early avoids mapping a foreign segment.
                 raise Unavailable(
-                    f"handle of daemon instance {h.shm.instance_id!r}, connected to {self.instance_id!r}",
+                    f"handle of daemon instance {h.shm.instance_id!r}, but the daemon is now instance "
+                    f"{self.instance_id!r}: it restarted since the handle was made (or the handle is another "
+                    "daemon's), and objects do not survive a restart",
                     Reason.INSTANCE_MISMATCH,
                 )
         sizes = [_check_manifest(h) for h in handles]
@@ -89,6 +91,8 @@ class Consumer(_Client):
         wrote it, straight to a lease. An object of this tenant's object table is read, checked
         and held in one native call; anything else takes ``acquire``'s path, and raises as it does."""
         data = bytes(data)
+        if not data:  # (protobuf parses b"" as an empty handle, of no instance: it would be Unavailable)
+            raise InvalidArgument("acquire_bytes got no bytes: not a handle's wire form")
         if self._deferred:
             self._requeue_deferred(force=False)  # releases whose views are gone by now
         # No liveness check here: the native call compares the handle's daemon instance with this

@@ -2,7 +2,7 @@
 fused into it); batches pipeline their commits."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import grpc
 from google.protobuf.message import Message
@@ -23,13 +23,20 @@ from ..handle import Handle, Where
 from ..objtable import slot_index, wire_slot
 from ..tensors import MAX_NBYTES, as_byte_array, dtype_name, tensor_nbytes
 from ..v1 import daemon_pb2 as pb
-from .session import _Client
+from .session import _as_bytes, _Client
 from .table import TableClient
 from .views import Loan
 
 # Below the C kernels' threshold for non-temporal stores (SHMT_NT_MIN_NBYTES) their copy is one
 # memcpy in the calling thread, as a memoryview assignment is.
 INLINE_COPY_NBYTES = 256 * 1024
+
+
+class Published(NamedTuple):
+    """What ``Producer.publish`` left in the index under an identity."""
+
+    handle: Handle  # the entry's object: the one published, or the one another producer published first
+    published: bool  # whether it is the caller's
 
 
 class Producer(_Client):
@@ -231,7 +238,7 @@ class Producer(_Client):
     def _before_call(self, method: str) -> None:
         super()._before_call(method)
         # A release must not overtake the commit of the same object; Stat reports settled state.
-        self._settle_commits(block=method in ("Release", "Stat"))
+        self._settle_commits(block=method in ("Release", "Stat", "Publish"))
 
     def _piggyback(self, request: Message) -> None:
         # A queued release must not overtake the commit of the same object.
@@ -307,12 +314,33 @@ class Producer(_Client):
             loan._detach_views()  # the producer keeps its reference through the handle, not the loan
         return handles
 
+    def publish(self, handle: Handle, identity: str | bytes, *, scope: str | bytes = b"") -> Published:
+        """Publish a committed object of this producer's under ``identity`` (1-256 bytes; a str
+        counts as its UTF-8) in this tenant's index, where any session of the tenant finds it with
+        ``lookup`` (in the same ``scope``: what the identity means, e.g. model and encoder).
+
+        The index then holds the object: it outlives this producer (a restarted process finds it)
+        until it is evicted, least recently looked up first, once nobody holds it and the tenant's
+        published bytes pass the daemon's ``--cache-size`` (or a loan needs the room). If another
+        object was published under the identity first, that one stays and is returned instead
+        (``published`` False). Either way this producer's own reference is still its own:
+        ``release(handle)`` when done with it, as always.
+
+        Raises OwnershipError (not this producer's object), StateError (not committed, or already
+        published), InvalidArgument (identity or scope too long, dtype or shape that do not match
+        the handle's size)."""
+        request = pb.PublishRequest(scope=_as_bytes(scope), identity=_as_bytes(identity), tensor=handle.to_proto())
+        self.flush(strict=False)  # a release queued before must not land after the publish
+        response = self._call("Publish", request)
+        return Published(Handle.from_proto(response.tensor), response.published)
+
     def read_bytes(self, handle: Handle) -> bytes:
         """A copy of the bytes of an object of this daemon (e.g. to send it inline after all).
         Raises Unavailable for a handle of another daemon instance."""
         if handle.shm.instance_id != self.instance_id:
-            raise Unavailable(f"handle of daemon instance {handle.shm.instance_id!r}, connected to "
-                              f"{self.instance_id!r}", Reason.INSTANCE_MISMATCH)
+            raise Unavailable(f"handle of daemon instance {handle.shm.instance_id!r}, but the daemon is now instance "
+                              f"{self.instance_id!r}: it restarted since the handle was made (or the handle is "
+                              "another daemon's), and objects do not survive a restart", Reason.INSTANCE_MISMATCH)
         return bytes(self._conn.memory(handle.shm)[:handle.nbytes])
 
     def release(self, handles: Handle | Iterable[Handle], *, wait: bool = False) -> None:
@@ -358,8 +386,9 @@ class Producer(_Client):
         if not w.slot:
             return False
         if w.instance_id != (self.instance_id if tables is None else tables.ids[2]):
-            raise Unavailable(f"handle of daemon instance {w.instance_id!r}, connected to "
-                              f"{self.instance_id!r}: its object is gone", Reason.INSTANCE_MISMATCH)
+            raise Unavailable(f"handle of daemon instance {w.instance_id!r}, but the daemon is now instance "
+                              f"{self.instance_id!r}: it restarted since the handle was made (or the handle is "
+                              "another daemon's), and objects do not survive a restart", Reason.INSTANCE_MISMATCH)
         slot = slot_index(w.slot)
         if tables is None or not 0 <= slot < tables.table.nslots:
             return False

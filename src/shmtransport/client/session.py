@@ -13,7 +13,8 @@ from typing import Iterable, Literal, Sequence, TypeGuard, TypeVar, overload
 from google.protobuf.message import Message
 
 from .._delayed import DelayedCall
-from ..errors import ClosedError, ShmTransportError, Unavailable
+from ..errors import ClosedError, InvalidArgument, ShmTransportError, Unavailable
+from ..handle import Handle
 from ..v1 import daemon_pb2 as pb
 from ..wire import default_socket_path
 from .connection import _Connection
@@ -110,6 +111,17 @@ class _Client:
         self.flush(strict=False)
         return self._call("List", pb.ListRequest(limit=limit))
 
+    def lookup(self, identities: Sequence[str | bytes], *, scope: str | bytes = b"") -> list[Handle | None]:
+        """The object published under each identity in this tenant's index (``Producer.publish``),
+        or None: one round trip for the batch. A hit is a hint, not a hold: acquire the handle to
+        use the object. An entry nobody holds may be evicted meanwhile; that acquire then raises
+        HandleError (STALE_HANDLE), which is a miss. ``scope``: the one it was published in."""
+        if not identities:
+            raise InvalidArgument("identities must not be empty")
+        request = pb.LookupRequest(scope=_as_bytes(scope), identities=[_as_bytes(i) for i in identities])
+        found = self._call("Lookup", request).tensors
+        return [Handle.from_proto(t) if t.HasField("shm") else None for t in found]
+
     def flush(self, *, strict: bool = True) -> None:
         """Send every queued release now (one RPC per batch). Returns once every release queued
         before the call has been applied, whichever thread sent it. ``strict``: daemon-side errors
@@ -176,6 +188,10 @@ class _Client:
     def _call(self, method: Literal["List"], request: pb.ListRequest) -> pb.ListResponse: ...
     @overload
     def _call(self, method: Literal["Close"], request: pb.CloseRequest) -> pb.CloseResponse: ...
+    @overload
+    def _call(self, method: Literal["Publish"], request: pb.PublishRequest) -> pb.PublishResponse: ...
+    @overload
+    def _call(self, method: Literal["Lookup"], request: pb.LookupRequest) -> pb.LookupResponse: ...
 
     def _call(self, method: str, request: Message) -> Message:
         """The RPC ``method`` (its request message answers its response message)."""
@@ -380,3 +396,8 @@ class _Client:
             return f"{type(self).__name__}(not connected)"
         state = "closed" if self._closed else f"instance={self.instance_id}"
         return f"{type(self).__name__}({self._conn.socket_path!r}, {state})"
+
+
+def _as_bytes(text: str | bytes) -> bytes:
+    """An identity or scope as the daemon compares it: a str as its UTF-8 bytes."""
+    return text.encode() if isinstance(text, str) else bytes(text)

@@ -207,7 +207,8 @@ class Loan(View):
             self._client._release_views([self])
 
     def __repr__(self) -> str:
-        return f"Loan({self.handle!r}, {'released' if self._released else 'live'})"
+        state = "released" if self._released else "committed" if self.committed else "live"
+        return f"Loan({self.handle!r}, {state})"
 
     def __del__(self) -> None:
         # A committed loan's reference is its handle from then on (``Producer.release(handle)``,

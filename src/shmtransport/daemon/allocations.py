@@ -264,6 +264,42 @@ class AllocationBook:
         """The booked lease ``lease_id``, if it lives."""
         return self._leases.get(lease_id)
 
+    # -- the identity index's references -------------------------------------------------------
+    def index_hold(self, session: Session, h: pb.Handle) -> Allocation:
+        """Book the identity index's reference to ``session``'s committed object ``h`` names,
+        holding it with the proxy bit (which ends its hand-off window: the index took it over)."""
+        obj = self.find(h)
+        if obj is None or not obj.placed:  # a table producer's: the session of the slot's owner bit placed it
+            bit = self.table.bit_of(session.session_id)
+            if bit is None or int(self.table.table.columns["owner"][self.table.slot_of(h)]) != bit:
+                raise OwnershipError(f"publish of an object this session did not place (slot {h.slot})")
+            obj = obj or self._adopt(h)
+        elif obj.owner != session.session_id or not obj.producer_ref:
+            raise OwnershipError(f"publish of an object this session does not hold (offset {obj.offset})")
+        if obj.indexed:
+            raise StateError(f"object at offset {obj.offset} is already published under another identity")
+        if obj.placed and obj.state is not ObjState.COMMITTED:
+            raise StateError(f"object at offset {obj.offset} is not committed: commit it before publishing")
+        self._hold(obj)  # a table object's state is checked there (the table refuses a loan)
+        obj.indexed = True
+        return obj
+
+    def index_release(self, obj: Allocation) -> None:
+        """The identity index dropped its entry: its reference goes (the object dies with it when
+        nobody else holds it)."""
+        obj.indexed = False
+        self._unreference(obj, end_handoff=False)
+
+    def only_indexed(self, obj: Allocation) -> bool:
+        """Whether the index's reference is all that holds ``obj`` (no producer reference, no lease,
+        no bit of any session or hand-off in the table): it may be evicted."""
+        return not obj.producer_ref and not obj.leases and int(self.table.table.holders[obj.slot]) == 1 << PROXY_BIT
+
+    def still_indexed(self, obj: Allocation) -> bool:
+        """Whether the object the index booked is still the one in its slot, held by the proxy bit."""
+        return self._objects.get(obj.key) is obj and self.table.generation(obj.slot) == obj.generation and \
+            bool(int(self.table.table.holders[obj.slot]) >> PROXY_BIT & 1)
+
     # -- release ---------------------------------------------------------------------------------
     def owned_for_release(self, session_id: str, handles: Sequence[pb.Handle]) -> list[Allocation]:
         """The objects ``session_id`` releases its producer reference to; refused (typed) when

@@ -131,7 +131,13 @@ class _UnixMetricsServer(socketserver.ThreadingMixIn, socketserver.UnixStreamSer
         super().__init__(path, handler, bind_and_activate=False)
         # Bound inside a private directory, made 0600, then linked into place (link never replaces
         # what appeared there meanwhile): the socket is never reachable with a wider mode.
-        private = tempfile.mkdtemp(prefix=".shmt-metrics-", dir=os.path.dirname(path))
+        directory = os.path.dirname(path)
+        try:
+            private = tempfile.mkdtemp(prefix=".shmt-metrics-", dir=directory)
+        except OSError as exc:  # its text names the staging directory, never the path the user gave
+            self.socket.close()
+            raise OSError(exc.errno, f"cannot serve metrics on {UNIX_PREFIX}{path}: cannot create a socket in "
+                                     f"{directory}: {exc.strerror}") from None
         staged = os.path.join(private, "s")
         try:
             self.socket.bind(staged)

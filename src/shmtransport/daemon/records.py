@@ -64,6 +64,7 @@ class Allocation:
     placed: bool = True  # the daemon placed it (and frees its bytes); False: a table producer's
     held: bool = False  # committed with a hold: no acquire or release ends it before its deadline
     leases: set[int] = dataclasses.field(default_factory=set)
+    indexed: bool = False  # the identity index keeps it (``index.IdentityIndex``)
     commit_token: bytes = b""  # presenting it in Acquire commits the loan (commit by handoff)
     # Dedicated segment per object (LoanRequest.dedicated): the object's own segment; its handle
     # says offset 0.
@@ -78,7 +79,7 @@ class Allocation:
     @property
     def referenced(self) -> bool:
         """Whether a reference is booked, so the daemon's proxy bit holds the object."""
-        return self.producer_ref or bool(self.leases)
+        return self.producer_ref or bool(self.leases) or self.indexed
 
 
 @dataclasses.dataclass
@@ -105,3 +106,4 @@ class TenantLimits:
     max_hold_ms: int = 60_000
     max_batch: int = MAX_BATCH
     handoff_window_ms: int = 30_000
+    cache_nbytes: int | None = None  # the identity index's budget; None: half the byte quota

@@ -35,6 +35,7 @@ from ..errors import (
 from ..v1 import daemon_pb2 as pb
 from .allocations import AllocationBook
 from .dedicated import DedicatedSegments
+from .index import IdentityIndex
 from .objects import ObjectBook
 from .records import LeaseRecord, Session, TenantLimits
 from .segments import ShmReserve
@@ -94,6 +95,8 @@ class Registry:
         dedicated = DedicatedSegments(self._tenant_base, shm_reserve or ShmReserve(0), segment_owner)
         self.allocations = AllocationBook(instance_id, segment_name, self._sessions, objects, dedicated,
                                           self.counters, self._bytes_freed, self._waiting, self._check_handle)
+        budget = self.quota_nbytes // 2 if limits.cache_nbytes is None else limits.cache_nbytes
+        self.index = IdentityIndex(self.allocations, budget, self.counters)
 
     # -- sessions --------------------------------------------------------------------------------
     def open_session(self, session_id: str, pid: int, uid: int, quarantine_expired: bool = True,
@@ -149,7 +152,7 @@ class Registry:
         """Arena bytes plus object slots for a producer with a holder bit (all or nothing); waits
         up to ``wait_s`` for space like ``loan``. ``give_back``: grants returned first; ``retry``:
         the caller asks again if refused (not counted as an allocation failure)."""
-        if nbytes < 0 or nslots < 0 or nslots > self.objects.nslots:
+        if nbytes < 0 or nslots < 0:  # more slots than the table has: it gets them all (clamped below)
             raise InvalidArgument(f"grant of {nbytes} bytes and {nslots} slots: out of range")
         if len(give_back) > self.limits.max_batch:
             raise InvalidArgument(f"give_back: {len(give_back)} entries exceed the batch limit {self.limits.max_batch}")
@@ -206,7 +209,16 @@ class Registry:
         that died there, orphaned grants whose objects died, and grants their producers parked.
         Whether any bytes came back."""
         return bool(self.allocations.reclaim_dead() or self.objects.reclaim_orphans(self._bytes_freed)
-                    or self.objects.take_parked(self._bytes_freed))
+                    or self.objects.take_parked(self._bytes_freed) or self._evict_for_room())
+
+    def _evict_for_room(self) -> bool:
+        """Evict the least recently used index entry nobody holds and free what died of it
+        (lock held): a full arena drops cache entries before it refuses a producer."""
+        if not self.index.evict_one():
+            return False
+        self.allocations.reclaim_dead()
+        self.objects.reclaim_orphans(self._bytes_freed)
+        return True
 
     def _bytes_freed(self, offset: int | None) -> None:
         """Bytes came back (lock held): an arena ``offset`` (an object's, or an orphaned grant's
@@ -372,6 +384,20 @@ class Registry:
                 )
             return self.allocations.lease_all(session, handles, objs, time.monotonic() + ttl_ms / 1000)
 
+    # -- the identity index ----------------------------------------------------------------------
+    def publish(self, session_id: str, scope: bytes, identity: bytes, tensor: pb.TensorHandle) -> pb.PublishResponse:
+        """Publish the session's committed object under ``(scope, identity)`` unless an entry is
+        there already (then the response names that one)."""
+        with self._lock:
+            return self.index.publish(self._live_session(session_id), scope, identity, tensor)
+
+    def lookup(self, session_id: str, scope: bytes, identities: Sequence[bytes]) -> pb.LookupResponse:
+        """The entry under each identity, or an empty handle."""
+        self._check_batch(identities, "identities")
+        with self._lock:
+            self._live_session(session_id)
+            return self.index.lookup(scope, identities)
+
     # -- both ------------------------------------------------------------------------------------
     def release(
         self, session_id: str, handles: Sequence[pb.Handle], lease_ids: Sequence[int], piggybacked: bool = False
@@ -411,10 +437,14 @@ class Registry:
                 book.drop_lease(lease, session)
 
     def expire(self, now: float | None = None) -> None:
-        """Drop leases and holds whose deadline passed (the sweeper thread calls this)."""
+        """Drop leases and holds whose deadline passed, and index entries past the budget that nobody
+        holds any more (the sweeper thread calls this)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self.allocations.expire(now)
+            # Entries published while held pass the budget until their holders let go.
+            while self.index.nbytes > self.index.budget_nbytes and self.index.evict_one():
+                pass
             self.objects.sweep(now, self._bytes_freed, _RATE_WINDOW_S, self.allocations.proxied_slots)
             self.allocations.reclaim_dead()
 
@@ -444,11 +474,13 @@ class Registry:
             total = len(infos)
             infos.sort(key=lambda info: -info.nbytes)
             del infos[limit:]
+            identities = self.index.identities_by_slot()
             for info in infos:
                 if info.owner_session not in pid_of:
                     info.owner_session = ""  # its producer is gone (a handed-off object)
                 info.owner_pid = pid_of.get(info.owner_session, 0)
                 info.holder_pids.extend(pid_of.get(s, 0) for s in info.holder_sessions)
+                info.identity = identities.get(info.slot - 1, "")
             return pb.ListResponse(tenant=self.tenant, objects=infos, total_objects=total,
                                    clients=self._client_stats())
 
@@ -501,6 +533,14 @@ class Registry:
                 released_at_close_loans=c["released_at_close_loans"],
                 released_at_close_nbytes=c["released_at_close_nbytes"],
                 waiting_calls=self._waiting.count,
+                index_entries=len(self.index),
+                index_nbytes=self.index.nbytes,
+                index_budget_nbytes=self.index.budget_nbytes,
+                index_hits=c["index_hits"],
+                index_misses=c["index_misses"],
+                index_published=c["index_published"],
+                index_duplicates=c["index_duplicates"],
+                index_evictions=c["index_evictions"],
             )
 
     # -- internals (lock held) -------------------------------------------------------------------
@@ -524,8 +564,9 @@ class Registry:
         """Refuse a handle of another daemon instance, or of another tenant of this one."""
         if h.instance_id != self.instance_id:
             raise Unavailable(
-                f"handle of daemon instance {h.instance_id!r}, this is {self.instance_id!r} "
-                "(the daemon restarted; its bytes are gone)",
+                f"handle of daemon instance {h.instance_id!r}, but this daemon is instance {self.instance_id!r}: "
+                "it restarted since the handle was made (or the handle is another daemon's), and objects do "
+                "not survive a restart",
                 Reason.INSTANCE_MISMATCH,
             )
         if shm_names.names_another_tenant(self._tenant_base, h.name):

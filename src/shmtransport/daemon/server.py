@@ -135,7 +135,8 @@ class CallShare:
 
 # Calls that end something (a commit, a release, a session) are never refused for the share: they
 # give back what the tenant holds, and a client must be able to finish what it started.
-_SHARED_METHODS = frozenset(_DAEMON_METHOD_PREFIX + m for m in ("Info", "Loan", "Grant", "Acquire", "Stat", "List"))
+_SHARED_METHODS = frozenset(_DAEMON_METHOD_PREFIX + m for m in ("Info", "Loan", "Grant", "Acquire", "Stat", "List",
+                                                                      "Publish", "Lookup"))
 
 
 # A call that takes longer than this is logged (method, tenant, how much of its deadline was left
@@ -331,6 +332,14 @@ class _Servicer(pb_grpc.DaemonServicer):
         tenant.registry.note_looked(session_id)
         return tenant.registry.list_objects(request.limit)
 
+    def Publish(self, request: pb.PublishRequest, context: grpc.ServicerContext) -> pb.PublishResponse:
+        session_id, tenant = self._session(context)
+        return tenant.registry.publish(session_id, request.scope, request.identity, request.tensor)
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        session_id, tenant = self._session(context)
+        return tenant.registry.lookup(session_id, request.scope, request.identities)
+
     def Close(self, request: pb.CloseRequest, context: grpc.ServicerContext) -> pb.CloseResponse:
         session_id, tenant = self._session(context)
         tenant.registry.close_session(session_id, closed_by_client=True)  # the socket's EOF then finds none
@@ -368,6 +377,7 @@ class Daemon:
         """Claim the socket, create the segments and serve; returns self. A failed start leaves nothing behind."""
         if self._state != "new":
             raise StateError(f"daemon already {self._state}")
+        self.config.validate()
         cfg = self.config
         # What can be checked without creating anything is checked first; from the claim on, a
         # failure is undone by _teardown, so a failed start leaves no segment, socket or lock file.
@@ -417,6 +427,7 @@ class Daemon:
             default_hold_ms=cfg.default_hold_ms,
             max_hold_ms=cfg.max_hold_ms,
             handoff_window_ms=cfg.handoff_window_ms,
+            cache_nbytes=cfg.cache_nbytes,
         )
         nslots = cfg.resolved_object_slots(arena_nbytes)
         wait_share = max(1, cfg.grpc_workers // 2 // len(specs))

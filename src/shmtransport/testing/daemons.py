@@ -4,6 +4,8 @@ unique name prefix, a small arena; stopping reports and unlinks leftover segment
 ``warm_up_process_state`` (the process-wide state a later fd check must not count)."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import gc
 import os
 import shutil
@@ -45,12 +47,32 @@ def copy_sealed_segments(daemon: "Daemon", directory: str) -> list[str]:
     return paths
 
 
+def check_config_fields(overrides: Iterable[str], caller: str = "start_daemon") -> None:
+    """One line for a keyword that is no ``DaemonConfig`` field (TypeError), naming the field meant:
+    the one its ``shmtransport daemon`` flag sets (``arena_size``: ``arena_nbytes``), else the
+    closest, else all of them."""
+    __tracebackhide__ = True  # pytest: the caller's line is where the mistake is
+    from ..daemon.config import DAEMON_FLAGS, DaemonConfig
+
+    fields = [field.name for field in dataclasses.fields(DaemonConfig)]
+    by_flag = {flag.removeprefix("--").replace("-", "_"): field for field, flag in DAEMON_FLAGS.items()}
+    for name in overrides:
+        if name in fields:
+            continue
+        meant = by_flag.get(name) or "".join(difflib.get_close_matches(name, fields, n=1))
+        hint = f"did you mean {meant!r}?" if meant else f"the DaemonConfig fields are {', '.join(fields)}"
+        raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}: {hint}")
+
+
 def start_daemon(**overrides: Any) -> "Daemon":
     """Start an in-process ``Daemon``: socket in a fresh short directory under /tmp (AF_UNIX paths
     are limited to 108 bytes), ``unique_prefix()``, a ``DEFAULT_ARENA_NBYTES`` arena; any
-    ``DaemonConfig`` field can be overridden. ``stop_daemon`` undoes all of it."""
+    ``DaemonConfig`` field can be overridden (another keyword: a one-line TypeError naming the field
+    meant; a bad value: ``DaemonConfig.validate``'s InvalidArgument). ``stop_daemon`` undoes all of it."""
+    __tracebackhide__ = True  # pytest: a refused keyword or value is the caller's line
     from ..daemon import Daemon
 
+    check_config_fields(overrides)
     tmp = short_tmpdir()
     overrides.setdefault("socket_path", os.path.join(tmp, "d.sock"))
     overrides.setdefault("arena_nbytes", DEFAULT_ARENA_NBYTES)

