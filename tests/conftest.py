@@ -48,6 +48,7 @@ OPTIONAL = {
     "test_conformance_vllm.py": ("torch", "vllm"),
     "test_embedmask.py": ("torch", "vllm"),
     "test_engine_vllm.py": ("torch", "vllm", "transformers"),
+    "test_ec_connector.py": ("torch", "vllm", "openai"),
     "test_protocol_e2e.py": ("torch",),
 }
 
@@ -64,6 +65,8 @@ ONCE_UNDER_C = {
     "test_engine_families.py": "several model families on vLLM's engine (three engine sessions); the kernels' part "
                                "of that path runs under both backends in the protocol and worker tests",
     "test_vllm_renderer.py": "vLLM's own processor against our hand-written renderer (no kernel involved)",
+    "test_ec_connector.py": "encoder disaggregation on vLLM's OpenAI servers (five engine starts); the identity "
+                            "index under both backends is test_identity_index.py",
     "test_aio.py": "the asyncio wrapper; its tests already run each call with and without the object table",
     "test_pytest_plugin_xdist.py": "the plugin's leak attribution under xdist",
     "test_packaging.py": "building and installing the artifacts",

@@ -25,13 +25,13 @@ import subprocess
 import sys
 
 import numpy as np
+import openai
 import pytest
 
 from shmtransport import testing
 from shmtransport.client import Consumer, Producer
 
 pytestmark = pytest.mark.timeout(1500)
-openai = pytest.importorskip("openai")
 LOGPROB_TOLERANCE = 1e-5
 MAX_TOKENS = 4
 
