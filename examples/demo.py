@@ -3,8 +3,9 @@ worker server.
 
 By default the worker is vLLM's real engine (``examples/vllm_demo.py``: our ``vllm-worker``, whose
 handles ride to the process where the model runs, beside vLLM's stock gRPC server and, without
-``--quick``, vLLM's own in-tree ways to the model). ``--worker reference`` runs the reference worker
-described below instead.
+``--quick``, vLLM's own in-tree ways to the model), then encoder disaggregation through stock vLLM
+OpenAI servers (``examples/epd_demo.py``: our EC connector beside vLLM's ``ECExampleConnector`` and
+an aggregated server). ``--worker reference`` runs the reference worker described below instead.
 
 Three processes: the daemon (``shmtransport daemon``), the worker (``shmtransport worker``: a gRPC
 ``Generator`` running a small real torch model: vision/audio encoders whose outputs are scattered
@@ -158,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                              "reference: the small reference worker (every modality, LoRA, cancel, errors)")
     args = parser.parse_args(argv)
     if args.worker == "vllm":
-        from vllm_demo import run  # examples/vllm_demo.py, next to this script
+        from epd_demo import run as run_epd  # examples/epd_demo.py and vllm_demo.py, next to this script
+        from vllm_demo import run
 
         print("worker: vLLM engine (--worker reference for the reference worker)")
-        return run(quick=args.quick)
+        return run(quick=args.quick) | run_epd(quick=args.quick)
     print("worker: the reference worker (--worker vllm for vLLM's engine)")
     rounds = args.rounds or (2 if args.quick else 8)
 
