@@ -49,6 +49,7 @@ OPTIONAL = {
     "test_embedmask.py": ("torch", "vllm"),
     "test_engine_vllm.py": ("torch", "vllm", "transformers"),
     "test_ec_connector.py": ("torch", "vllm", "openai"),
+    "test_ec_connector_scheduler.py": ("torch", "vllm"),
     "test_protocol_e2e.py": ("torch",),
 }
 

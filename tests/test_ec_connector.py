@@ -204,6 +204,8 @@ def daemon_restarted(epd):
 
     assert stop_process(epd["daemon"]) == 0
     epd["daemon"] = epd["restart_daemon"]()
+    for client in (epd["producer"], epd["consumer"]):
+        client.stat()  # reconnected here: their new session's fds are the module's
     return epd
 
 

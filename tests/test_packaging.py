@@ -55,7 +55,7 @@ def compilerless_wheel(tmp_path_factory) -> tuple[pathlib.Path, str]:
 
 def test_without_a_compiler_the_build_warns_and_leaves_out_only_the_kernels(compilerless_wheel):
     wheel, output = compilerless_wheel
-    assert "the C kernels could not be built (is a C compiler installed?)" in output
+    assert "the C kernels could not be built (is a C compiler installed" in output
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.endswith(".so")]
     assert "shmtransport/_purepy.py" in names and "shmtransport/client/__init__.py" in names

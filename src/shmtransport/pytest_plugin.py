@@ -288,7 +288,7 @@ def shm_make_daemon(request: pytest.FixtureRequest) -> Iterator[Callable[..., "D
 
     def factory(**overrides: Any) -> "Daemon":
         __tracebackhide__ = True
-        testing.daemons.check_config_fields(overrides, "shm_make_daemon")
+        testing.daemons.check_config_fields((n for n in overrides if n != "extensions"), "shm_make_daemon")
         daemon = _start(request.config, **overrides)
         started.append(daemon)
         mine.append(daemon)

@@ -14,9 +14,11 @@ What each side does (``docs/vllm.md``, "Encoder disaggregation"):
   that fails (the daemon restarting, no room) is logged and skipped: a consumer encodes the item.
 - **Scheduler** (EngineCore): ``has_cache_item`` looks the item up and, on a hit, holds it (an
   acquire in the object table), so nothing evicts it between the scheduler's decision and the
-  worker's load; ``update_state_after_alloc`` ties the hold to the request, ``build_connector_meta``
-  sends the workers each item's handle (about 100 bytes, never the bytes, never a pickle of ours)
-  and lets go of holds no request took, ``request_finished`` releases the request's.
+  worker's load; an item found before is held by acquiring its remembered handle, in shared memory
+  with no round trip (the daemon hears of such hits once a second, for its LRU order).
+  ``update_state_after_alloc`` ties the hold to the request, ``build_connector_meta`` sends the
+  workers each item's handle (about 100 bytes, never the bytes, never a pickle of ours) and lets go
+  of holds no request took, ``request_finished`` releases the request's.
 - **Worker, consumer** (``start_load_caches``): every rank acquires the handle and puts a tensor
   over the arena in vLLM's ``encoder_cache`` (on CPU no copy from 1 MiB on, one below it; on a GPU
   one host-to-device copy). The lease lasts as long as that tensor: vLLM dropping the entry
@@ -33,10 +35,12 @@ cache so the step runs, and reports the item; the scheduler then fails the reque
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +67,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("shmtransport.ec_connector")
 MAX_IDENTITY_NBYTES = 256  # the daemon's bound (daemon.index)
+REMEMBERED_ITEMS = 65_536  # handles of items found before, per scheduler (about 200 bytes each)
+LOCAL_HIT_REPORT_S = 1.0
 
 
 def identity_of(mm_hash: str) -> bytes:
@@ -123,6 +129,12 @@ class ShmtransportECConnector(ECConnectorBase):  # type: ignore[misc]
         self._consumer: Consumer | None = None
         # scheduler side
         self._holds: dict[str, _Hold] = {}
+        # Items found in the index before, by identifier: acquiring the remembered handle in the
+        # object table (microseconds) holds the very bytes published, with no round trip; a handle
+        # that no longer acquires was evicted, and the next look-up asks the daemon again.
+        self._found: collections.OrderedDict[str, Handle] = collections.OrderedDict()
+        self._used_locally: set[str] = set()  # hits the daemon has not seen yet (its LRU order)
+        self._next_report = 0.0
         self._loads: dict[str, bytes] = {}  # this step's, for build_connector_meta
         self._unavailable: set[str] = set()
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
@@ -160,16 +172,54 @@ class ShmtransportECConnector(ECConnectorBase):  # type: ignore[misc]
         """Whether the index has the item; a hit is held until a request takes it (or the step ends)."""
         if identifier in self._holds:
             return True
+        lease = self._acquire_found(identifier) or self._acquire_looked_up(identifier)
+        if lease is None:
+            return False
+        self._holds[identifier] = _Hold(lease)
+        return True
+
+    def _acquire_found(self, identifier: str) -> Lease | None:
+        """A hold on the item found before, if its handle still acquires (no round trip)."""
+        handle = self._found.get(identifier)
+        if handle is None:
+            return None
+        try:
+            lease = self._consumer_client().acquire(handle)
+        except ShmTransportError:  # evicted (or the daemon restarted): ask the daemon again
+            del self._found[identifier]
+            return None
+        self._found.move_to_end(identifier)
+        self._used_locally.add(identifier)
+        return lease
+
+    def _acquire_looked_up(self, identifier: str) -> Lease | None:
+        """The daemon's answer for the item (one round trip), held and remembered on a hit."""
         try:
             consumer = self._consumer_client()
             [handle] = consumer.lookup([identity_of(identifier)], scope=self.scope)
             if handle is None:
-                return False
-            self._holds[identifier] = _Hold(consumer.acquire(handle))
+                return None
+            lease = consumer.acquire(handle)
         except ShmTransportError as exc:  # evicted since the look-up (stale), or the daemon is away
             _log.debug("encoder cache miss for %s: %s", identifier, exc)
-            return False
-        return True
+            return None
+        self._found[identifier] = handle
+        if len(self._found) > REMEMBERED_ITEMS:
+            self._found.popitem(last=False)
+        return lease
+
+    def _report_local_hits(self) -> None:
+        """Tell the daemon which entries were used here since the last report (at most once a
+        second): its eviction goes by use, and these hits cost it no look-up."""
+        now = time.monotonic()
+        if not self._used_locally or now < self._next_report:
+            return
+        self._next_report = now + LOCAL_HIT_REPORT_S
+        used, self._used_locally = self._used_locally, set()
+        try:
+            self._consumer_client().lookup([identity_of(i) for i in used], scope=self.scope)
+        except ShmTransportError as exc:
+            _log.debug("report of %d local hits: %s", len(used), exc)
 
     def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
         """A consumer's item sent without its media (an ``image_embeds`` part with a ``uuid``) can
@@ -207,6 +257,7 @@ class ShmtransportECConnector(ECConnectorBase):  # type: ignore[misc]
         self._loads.clear()
         for identifier in [i for i, hold in self._holds.items() if not hold.requests]:
             self._release_hold(identifier)
+        self._report_local_hits()
         return meta
 
     def update_connector_output(self, connector_output: "ECConnectorOutput") -> None:

@@ -67,12 +67,13 @@ def check_config_fields(overrides: Iterable[str], caller: str = "start_daemon") 
 def start_daemon(**overrides: Any) -> "Daemon":
     """Start an in-process ``Daemon``: socket in a fresh short directory under /tmp (AF_UNIX paths
     are limited to 108 bytes), ``unique_prefix()``, a ``DEFAULT_ARENA_NBYTES`` arena; any
-    ``DaemonConfig`` field can be overridden (another keyword: a one-line TypeError naming the field
-    meant; a bad value: ``DaemonConfig.validate``'s InvalidArgument). ``stop_daemon`` undoes all of it."""
+    ``DaemonConfig`` field can be overridden, and ``extensions`` given as to ``Daemon`` (another
+    keyword: a one-line TypeError naming the field meant; a bad value: ``DaemonConfig.validate``'s
+    InvalidArgument). ``stop_daemon`` undoes all of it."""
     __tracebackhide__ = True  # pytest: a refused keyword or value is the caller's line
     from ..daemon import Daemon
 
-    check_config_fields(overrides)
+    check_config_fields(name for name in overrides if name != "extensions")  # (``Daemon``'s own)
     tmp = short_tmpdir()
     overrides.setdefault("socket_path", os.path.join(tmp, "d.sock"))
     overrides.setdefault("arena_nbytes", DEFAULT_ARENA_NBYTES)
