@@ -213,6 +213,14 @@ def pair(daemon):
 
 
 @pytest.fixture
+def tmpdir_short():
+    """A fresh directory with a short path (AF_UNIX socket paths are limited to 108 bytes)."""
+    path = testing.short_tmpdir()
+    yield path
+    testing.remove_tree(path)
+
+
+@pytest.fixture
 def new_prefix():
     """Factory of segment-name prefixes for daemons a test starts itself (e.g. through the CLI)."""
     return testing.unique_prefix

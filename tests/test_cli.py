@@ -18,7 +18,7 @@ import pytest
 
 from shmtransport import BACKEND, __version__
 from shmtransport.client import Consumer, Producer
-from shmtransport.testing import BlockingChild, remove_tree, segments_of, short_tmpdir, wait_until
+from shmtransport.testing import BlockingChild, segments_of, wait_until
 
 TIMEOUT_S = 60
 MiB = 1 << 20
@@ -27,13 +27,6 @@ MiB = 1 << 20
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shmtransport", *args], capture_output=True, text=True,
                           timeout=TIMEOUT_S)
-
-
-@pytest.fixture
-def tmpdir_short():
-    path = short_tmpdir()
-    yield path
-    remove_tree(path)
 
 
 def test_version_names_the_package_version_and_the_kernels():

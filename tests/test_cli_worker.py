@@ -16,7 +16,6 @@ import grpc
 import pytest
 
 from shmtransport.socket_lock import claim_socket
-from shmtransport.testing import remove_tree, short_tmpdir
 from shmtransport.v1 import generate_pb2 as gpb
 from shmtransport.v1 import generate_pb2_grpc as gpb_grpc
 from shmtransport.worker.process import WorkerProcess
@@ -38,13 +37,6 @@ def run_cli_without(module: str, *args: str) -> subprocess.CompletedProcess:
     code = (f"import sys; sys.modules[{module!r}] = None; from shmtransport.cli import main; "
             f"raise SystemExit(main({list(args)!r}))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-@pytest.fixture
-def tmpdir_short():
-    path = short_tmpdir()
-    yield path
-    remove_tree(path)
 
 
 def _one_line(result: subprocess.CompletedProcess) -> str:

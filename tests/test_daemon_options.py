@@ -24,7 +24,7 @@ from shmtransport.client import Consumer, Producer
 from shmtransport.daemon import Daemon
 from shmtransport.daemon.config import DAEMON_FLAGS, DaemonConfig
 from shmtransport.errors import InvalidArgument, InvalidType
-from shmtransport.testing import remove_tree, segments_of, short_tmpdir
+from shmtransport.testing import segments_of
 
 TIMEOUT_S = 30
 MiB = 1 << 20
@@ -64,13 +64,6 @@ def test_the_bad_values_walk_every_numeric_and_enumerated_daemon_option():
              if a.option_strings and (a.type is not None or a.choices is not None)}
     assert typed and typed <= set(BAD_FLAGS), typed - set(BAD_FLAGS)
     assert set(DAEMON_FLAGS.values()) <= {s for a in _daemon_parser()._actions for s in a.option_strings}
-
-
-@pytest.fixture
-def tmpdir_short():
-    path = short_tmpdir()
-    yield path
-    remove_tree(path)
 
 
 @pytest.mark.parametrize(("flag", "values"), CLI_CASES)

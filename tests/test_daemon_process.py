@@ -16,7 +16,7 @@ from shmtransport import objtable
 from shmtransport.client import Consumer, Producer
 from shmtransport.daemon import Daemon
 from shmtransport.errors import PermissionDenied, Reason, ResourceExhausted, Unavailable
-from shmtransport.testing import SHM_DIR, BlockingChild, remove_tree, short_tmpdir
+from shmtransport.testing import SHM_DIR, BlockingChild
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -102,13 +102,6 @@ class CliDaemon:
         self.kill()
         self.proc.stdout.close()
         self._log.close()
-
-
-@pytest.fixture
-def tmpdir_short():
-    path = short_tmpdir()
-    yield path
-    remove_tree(path)
 
 
 @pytest.fixture

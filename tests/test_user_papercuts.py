@@ -15,29 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli import run_cli  # (the CLI as a user runs it: one subprocess)
 
 from shmtransport import ClosedError, Handle, InvalidArgument, Reason, Unavailable
 from shmtransport.cli import build_parser
 from shmtransport.client import Producer
-from shmtransport.testing import SHM_DIR, remove_tree, segments_of, short_tmpdir
+from shmtransport.testing import SHM_DIR, segments_of
 from shmtransport.v1 import daemon_pb2 as pb
 
 pytest_plugins = ["pytester"]
 
 TIMEOUT_S = 60
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shmtransport", *args], capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-
-
-@pytest.fixture
-def tmpdir_short():
-    path = short_tmpdir()
-    yield path
-    remove_tree(path)
 
 
 def test_a_write_to_a_committed_loan_raises_closed_error_that_says_committed(pair):
