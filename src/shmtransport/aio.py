@@ -261,29 +261,31 @@ class AsyncProducer(_AsyncClient[Producer]):
         specs = list(specs)
         return await self._run(lambda client: client.loan_many(specs, dedicated=dedicated), _release_views)
 
-    async def put(self, tensor: Any, *, digest: bool = False, hold_ms: int = 0, dedicated: bool = False) -> Handle:
+    async def put(self, tensor: Any, *, digest: bool = False, hold_ms: int = 0, dedicated: bool = False,
+                  keep: bool = True) -> Handle:
         """Copy one numpy array or torch tensor into shared memory (in a worker thread: leave it
         unmodified until this returns) and commit it, as ``Producer.put``; ``hold_ms`` in
-        milliseconds. Raises ResourceExhausted (no space within ``alloc_wait_s``),
-        InvalidArgument (unsupported dtype), Unavailable, ClosedError. Cancelled: the object is
-        released once it is committed."""
-        return (await self.put_many([tensor], digest=digest, hold_ms=hold_ms, dedicated=dedicated))[0]
+        milliseconds, ``keep=False`` hands it off for good. Raises ResourceExhausted (no space
+        within ``alloc_wait_s``), InvalidArgument (unsupported dtype), Unavailable, ClosedError.
+        Cancelled: the object is released once it is committed (with ``keep``)."""
+        return (await self.put_many([tensor], digest=digest, hold_ms=hold_ms, dedicated=dedicated, keep=keep))[0]
 
     async def put_many(self, tensors: Sequence[Any], *, digest: bool = False, hold_ms: int = 0,
-                       dedicated: bool = False) -> list[Handle]:
+                       dedicated: bool = False, keep: bool = True) -> list[Handle]:
         """``put`` for every tensor, all or nothing, as ``Producer.put_many``. Raises as ``put``."""
         tensors = list(tensors)
         return await self._run(
-            lambda client: client.put_many(tensors, digest=digest, hold_ms=hold_ms, dedicated=dedicated),
-            lambda handles: self._connected().release(handles))
+            lambda client: client.put_many(tensors, digest=digest, hold_ms=hold_ms, dedicated=dedicated, keep=keep),
+            lambda handles: self._connected().release(handles) if keep else None)
 
-    async def commit(self, loan: Loan, *, digest: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
+    async def commit(self, loan: Loan, *, digest: bool = False, hold_ms: int = 0, wait: bool = False,
+                     keep: bool = True) -> Handle:
         """``loan.commit(...)`` in a worker thread (a digest hashes the bytes; ``wait`` waits
         for the daemon): seal the loan and return its handle. Raises as ``commit_many``."""
-        return (await self.commit_many([loan], digest=digest, hold_ms=hold_ms, wait=wait))[0]
+        return (await self.commit_many([loan], digest=digest, hold_ms=hold_ms, wait=wait, keep=keep))[0]
 
     async def commit_many(self, loans: Sequence[Loan], *, digest: bool = False, hold_ms: int = 0,
-                          wait: bool = False) -> list[Handle]:
+                          wait: bool = False, keep: bool = True) -> list[Handle]:
         """Seal loans and return their handles, as ``Producer.commit_many`` (``hold_ms`` in
         milliseconds). Raises InvalidArgument (no loans, or one twice), OwnershipError (another
         producer's loan), ClosedError (a released loan, or this client closed), StateError
@@ -291,7 +293,7 @@ class AsyncProducer(_AsyncClient[Producer]):
         (``loan.release()``, which is also right for a loan the cancellation left uncommitted)."""
         loans = list(loans)
         return await self._run(
-            lambda client: client.commit_many(loans, digest=digest, hold_ms=hold_ms, wait=wait),
+            lambda client: client.commit_many(loans, digest=digest, hold_ms=hold_ms, wait=wait, keep=keep),
             lambda handles: _release_views(loans))
 
     async def release(self, handles: Handle | Iterable[Handle], *, wait: bool = False) -> None:

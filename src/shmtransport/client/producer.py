@@ -24,7 +24,7 @@ from ..objtable import slot_index, wire_slot
 from ..tensors import MAX_NBYTES, as_byte_array, dtype_name, tensor_nbytes
 from ..v1 import daemon_pb2 as pb
 from .session import _as_bytes, _Client
-from .table import TableClient
+from .table import Placed, TableClient
 from .views import Loan
 
 # Below the C kernels' threshold for non-temporal stores (SHMT_NT_MIN_NBYTES) their copy is one
@@ -152,16 +152,20 @@ class Producer(_Client):
             return loans
 
     def commit_many(
-        self, loans: Sequence[Loan], *, digest: bool = False, hold_ms: int = 0, wait: bool = False
+        self, loans: Sequence[Loan], *, digest: bool = False, hold_ms: int = 0, wait: bool = False, keep: bool = True
     ) -> list[Handle]:
         """Seal loans and return their handles; ``digest`` computes each content digest (XXH3-128
         tree digest, checked by ``Lease.verify``) from shared memory first.
 
         A committed object is handed off: if this producer closes (or dies) before any consumer
         acquired it, it lives on until a first consumer does, or until the daemon's hand-off
-        window passes with nobody acquiring it. An explicit ``release`` ends the hand-off: the
-        object then lives only as long as consumers that already hold it. ``hold_ms``: keep it
-        alive that long whoever acquires or releases it (fan-out to consumers that come later).
+        window passes with nobody acquiring it. ``keep=False`` does the same without closing:
+        this producer keeps no reference, and the object belongs to whoever acquires it (the
+        way a producer that runs for days hands objects off: nothing of them is left to release).
+        With ``keep`` (the default) the producer holds each object until ``release``, which also
+        ends the hand-off: the object then lives only as long as consumers that already hold it.
+        ``hold_ms``: keep it alive that long whoever acquires or releases it (fan-out to
+        consumers that come later).
 
         Loans in the object table commit in shared memory (no round trip). Other loans send a
         Commit RPC, pipelined unless ``wait`` (a failure raises from this producer's next
@@ -170,7 +174,7 @@ class Producer(_Client):
         if not loans:
             raise InvalidArgument("loans must not be empty")
         if len(loans) == 1 and not digest and loans[0]._placed is not None and loans[0]._client is self:
-            return [self._commit_placed(loans[0], hold_ms)]
+            return [self._commit_placed(loans[0], hold_ms, keep)]
         if len({id(loan) for loan in loans}) != len(loans):
             raise InvalidArgument("the same loan appears twice in one commit")
         for loan in loans:
@@ -187,9 +191,11 @@ class Producer(_Client):
                     tables.commit(placed, hold_ms)
                     loan.committed = True
                     loan._seal()
+                    if not keep:
+                        self._let_go(tables, placed)
         rest = [loan for loan in loans if loan._placed is None]
         if rest:
-            self._commit_rpc(rest, hold_ms, wait)
+            self._commit_rpc(rest, hold_ms, wait, keep)
         return [loan.handle for loan in loans]
 
     def _check_committable(self, loan: Loan) -> None:
@@ -200,7 +206,7 @@ class Producer(_Client):
         if loan.committed:
             raise StateError(f"{loan!r} is already committed")
 
-    def _commit_placed(self, loan: Loan, hold_ms: int) -> Handle:
+    def _commit_placed(self, loan: Loan, hold_ms: int, keep: bool) -> Handle:
         """``commit_many([loan])`` of one loan of the object table, without a digest: the same
         checks, errors and effect in fewer steps (a handoff's hot path). No lock: the commit is
         one atomic step in the table, and a reconnect replaces the table client (a closed one's
@@ -214,11 +220,22 @@ class Producer(_Client):
         tables.commit(placed, hold_ms)
         loan.committed = True
         loan._seal()
+        if not keep:
+            with self._lock:
+                self._let_go(tables, placed)
         return loan.handle
 
-    def _commit_rpc(self, loans: Sequence[Loan], hold_ms: int, wait: bool) -> None:
+    def _let_go(self, tables: TableClient, placed: Placed) -> None:
+        """Drop this producer's reference to an object it just committed, its hand-off going on
+        (lock held); the background look takes its bytes back once it dies."""
+        tables.release_own(placed, cancel_handoff=False)
+        if tables.give_back or not self._background.pending:
+            self._schedule_flush()
+
+    def _commit_rpc(self, loans: Sequence[Loan], hold_ms: int, wait: bool, keep: bool) -> None:
         self._before_call("Commit")
-        request = pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms)
+        request = pb.CommitRequest(handles=[loan.handle.shm for loan in loans], hold_ms=hold_ms,
+                                   release_reference=not keep)
         self._piggyback(request)
         future = self._conn.call_future("Commit", request)
         with self._lock:
@@ -278,18 +295,20 @@ class Producer(_Client):
             finally:
                 super().close()
 
-    def put(self, tensor: Any, *, digest: bool = False, hold_ms: int = 0, dedicated: bool = False) -> Handle:
+    def put(self, tensor: Any, *, digest: bool = False, hold_ms: int = 0, dedicated: bool = False,
+            keep: bool = True) -> Handle:
         """Copy one numpy array or torch tensor (any dtype, C-contiguous or not) into shared memory
         and commit it: one copy, with the content digest fused into it when ``digest``. The
-        options are ``commit_many``'s and ``loan_many``'s.
+        options are ``commit_many``'s and ``loan_many``'s (``keep=False``: hand the object off
+        for good, nothing left to release).
 
         Raises ResourceExhausted when no space frees within ``alloc_wait_s`` (its reason says
         whether the arena, the tenant's quota or ``/dev/shm`` is short), InvalidArgument for an
         unsupported dtype."""
-        return self.put_many([tensor], digest=digest, hold_ms=hold_ms, dedicated=dedicated)[0]
+        return self.put_many([tensor], digest=digest, hold_ms=hold_ms, dedicated=dedicated, keep=keep)[0]
 
     def put_many(self, tensors: Sequence[Any], *, digest: bool = False, hold_ms: int = 0,
-                 dedicated: bool = False) -> list[Handle]:
+                 dedicated: bool = False, keep: bool = True) -> list[Handle]:
         """``put`` for every tensor, all or nothing, with at most one Loan and one Commit RPC
         (none with the object table)."""
         sources = [as_byte_array(t) for t in tensors]
@@ -306,7 +325,7 @@ class Producer(_Client):
                     loan._live_memory()[:] = src.data  # (one memcpy: the kernel's wrapper costs more than the copy)
                 else:
                     kernels.copy(loan._live_memory(), src, self.copy_threads)
-            handles = self.commit_many(loans, hold_ms=hold_ms)
+            handles = self.commit_many(loans, hold_ms=hold_ms, keep=keep)
         except BaseException:
             self._release_views(loans)
             raise

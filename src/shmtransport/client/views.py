@@ -46,10 +46,10 @@ class LoanOwner(ViewOwner, Protocol):
     """A ``Producer``, as its loans see it."""
 
     def commit_many(self, loans: Sequence[Loan], *, digest: bool = False, hold_ms: int = 0,
-                    wait: bool = False) -> list[Handle]:
+                    wait: bool = False, keep: bool = True) -> list[Handle]:
         """See ``Producer.commit_many``."""
 
-    def _commit_placed(self, loan: Loan, hold_ms: int) -> Handle: ...
+    def _commit_placed(self, loan: Loan, hold_ms: int, keep: bool) -> Handle: ...
 
 
 class LeaseOwner(ViewOwner, Protocol):
@@ -173,15 +173,16 @@ class Loan(View):
         if _call_sites.enabled:  # a leak check is on: remember the caller for its report
             _call_sites.record(self)
 
-    def commit(self, *, digest: bool = False, hold_ms: int = 0, wait: bool = False) -> Handle:
+    def commit(self, *, digest: bool = False, hold_ms: int = 0, wait: bool = False, keep: bool = True) -> Handle:
         """Seal the bytes and hand the object off; the handle names it to consumers. See
-        ``Producer.commit_many`` for ``digest``, ``hold_ms`` and ``wait``.
+        ``Producer.commit_many`` for ``digest``, ``hold_ms``, ``wait`` and ``keep`` (False: the
+        object is no longer this producer's, the way a producer that runs for days hands off).
 
         Raises ClosedError (released), StateError (already committed), Unavailable (the daemon
         restarted under the loan)."""
         if self._placed is not None and not digest:  # a handoff's hot path: the same checks, fewer steps
-            return self._client._commit_placed(self, hold_ms)
-        return self._client.commit_many([self], digest=digest, hold_ms=hold_ms, wait=wait)[0]
+            return self._client._commit_placed(self, hold_ms, keep)
+        return self._client.commit_many([self], digest=digest, hold_ms=hold_ms, wait=wait, keep=keep)[0]
 
     def _seal(self) -> None:
         """Committed bytes are immutable: ``array`` becomes read-only (a write raises ValueError)

@@ -35,7 +35,7 @@ from ..v1 import daemon_pb2 as pb
 from .deadlines import Deadlines
 from .dedicated import DedicatedSegments
 from .objects import DaemonSide, ObjectBook
-from .records import Allocation, LeaseRecord, ObjState, Session
+from .records import Allocation, LeaseRecord, ObjState, OwnObjects, Session
 from .segments import Segment
 from .waiting import CommitWaiters, WaitingCalls
 
@@ -148,9 +148,12 @@ class AllocationBook:
         return [seg for key in self.dedicated.keys() if (seg := self._objects[key].segment) is not None]
 
     # -- commit ----------------------------------------------------------------------------------
-    def commit(self, session_id: str, handles: Sequence[pb.Handle], hold_ms: int, handoff_window_ms: int) -> None:
+    def commit(self, session: Session, handles: Sequence[pb.Handle], hold_ms: int, handoff_window_ms: int,
+               release_reference: bool = False) -> None:
         """Seal the session's loans (all or none): each is handed off (``hold_ms`` 0: for the
-        hand-off window, until the first acquire), or held for ``hold_ms``."""
+        hand-off window, until the first acquire), or held for ``hold_ms``. ``release_reference``:
+        the session keeps no reference (as at its close, the hand-off or hold goes on)."""
+        session_id = session.session_id
         objs = [self.resolve(h) for h in handles]
         for obj in objs:
             if obj.owner != session_id or not obj.producer_ref:
@@ -161,6 +164,8 @@ class AllocationBook:
             raise InvalidArgument("the same handle appears twice in one commit")
         for obj in objs:
             self._commit(obj, hold_ms or handoff_window_ms, hold=bool(hold_ms))
+            if release_reference:
+                self.drop_producer_ref(obj, session)
 
     def _commit(self, obj: Allocation, window_ms: int, hold: bool) -> None:
         """Seal ``obj`` in the table: without a hold, the hand-off window (the object outlives its
@@ -315,6 +320,12 @@ class AllocationBook:
     def release_producer_ref(self, obj: Allocation, session: Session) -> None:
         """An explicit release: it also ends the hand-off (a session's end keeps it)."""
         self.drop_producer_ref(obj, session, end_handoff=True)
+
+    def own_objects(self, session: Session) -> OwnObjects:
+        """The objects the daemon placed for ``session`` that it still holds a reference to."""
+        objs = [self._objects[key] for key in session.producer_refs]
+        loans = [obj for obj in objs if obj.state is ObjState.LOANED]
+        return OwnObjects(len(loans), session.loaned_nbytes, len(objs) - len(loans), session.committed_nbytes)
 
     def still_held(self, session: Session, handles: list[pb.Handle]) -> list[pb.Handle]:
         """Those of ``handles`` whose object ``session`` still holds a reference to."""

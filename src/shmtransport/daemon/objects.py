@@ -57,6 +57,7 @@ from ..objtable import (
     wire_slot,
 )
 from ..v1 import daemon_pb2 as pb
+from .records import OwnObjects
 from .segments import Segment
 
 ReleaseBytes = Callable[[int], None]  # gives an arena offset back to the registry's allocator
@@ -450,6 +451,18 @@ class ObjectBook:
             holdings[session_id] = SessionHoldings(int((held & ~own).sum()), int(nbytes[own & loaned].sum()),
                                                    int(nbytes[own & ~loaned].sum()))
         return holdings
+
+    def own_objects(self, session_id: str) -> OwnObjects:
+        """The live session's own objects in the table (a full arena's error tells their producer)."""
+        bit = self._bits.get(session_id)
+        if bit is None:
+            return OwnObjects()
+        cols = self.table.columns
+        held = (self.table.holders.copy() & np.uint64(1 << bit)) != 0
+        own = np.flatnonzero(held & (cols["owner"] == bit))
+        nbytes, loaned = self._bounded_sizes(own), cols["state"][own] == LOANED
+        return OwnObjects(int(loaned.sum()), int(nbytes[loaned].sum()), int((~loaned).sum()),
+                          int(nbytes[~loaned].sum()))
 
     _STATE_NAMES = {LOANED: "loaned", COMMITTED: "committed", HELD: "held"}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import NamedTuple
 
 from ..wire import MAX_BATCH
 from .segments import Segment
@@ -16,6 +17,15 @@ class ObjState(enum.Enum):
 
     LOANED = "loaned"
     COMMITTED = "committed"
+
+
+class OwnObjects(NamedTuple):
+    """A producer session's own live objects: loans, and committed objects it kept its reference to."""
+
+    loans: int = 0
+    loaned_nbytes: int = 0
+    committed: int = 0
+    committed_nbytes: int = 0
 
 
 @dataclasses.dataclass

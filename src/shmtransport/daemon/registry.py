@@ -37,7 +37,7 @@ from .allocations import AllocationBook
 from .dedicated import DedicatedSegments
 from .index import IdentityIndex
 from .objects import ObjectBook
-from .records import LeaseRecord, Session, TenantLimits
+from .records import LeaseRecord, OwnObjects, Session, TenantLimits
 from .segments import ShmReserve
 from .waiting import WaitingCalls
 
@@ -157,7 +157,7 @@ class Registry:
         if len(give_back) > self.limits.max_batch:
             raise InvalidArgument(f"give_back: {len(give_back)} entries exceed the batch limit {self.limits.max_batch}")
         with self._lock:
-            self._live_session(session_id)
+            session = self._live_session(session_id)
             if give_back:
                 self.objects.give_back(session_id, list(give_back), self._bytes_freed)
             if nbytes == 0:
@@ -188,7 +188,7 @@ class Registry:
                                 nbytes > min(self.allocator.nbytes, self.quota_nbytes):
                             if not retry and exc.reason is not Reason.TABLE_FULL:
                                 self.counters["allocation_failures"] += 1
-                            raise
+                            raise self._refusal(exc, session) from None
                         # Orphans die without telling anyone (their consumers release in shared
                         # memory), so the table is polled for them: by one waiter of the tenant at a
                         # time, the others wait to be woken. Waiting costs the same for 1 or 100.
@@ -257,10 +257,24 @@ class Registry:
                             exc.reason is not Reason.TABLE_FULL and total > min(self.allocator.nbytes,
                                                                                  self.quota_nbytes)):
                         self.counters["allocation_failures"] += 1
-                        raise
+                        raise self._refusal(exc, session) from None
                     with self._waiting.waiting():
                         self._freed.wait(remaining)
             return response
+
+    def _refusal(self, exc: ResourceExhausted, session: Session) -> ResourceExhausted:
+        """``exc`` telling what the refused session itself holds: a producer that runs for days
+        and never releases what it commits fills the arena on its own."""
+        table, booked = self.objects.own_objects(session.session_id), self.allocations.own_objects(session)
+        own = OwnObjects(*map(sum, zip(table, booked)))
+        if exc.reason is Reason.TABLE_FULL or not (own.loans or own.committed):
+            return exc
+        return ResourceExhausted(
+            f"{exc.message}. This session still holds {own.committed} committed objects "
+            f"({_mib(own.committed_nbytes)}) and {own.loans} loans ({_mib(own.loaned_nbytes)}): a producer keeps each "
+            "object it commits until producer.release(handle), which it calls once the consumer has acquired it; "
+            "or it commits with keep=False (put(..., keep=False)), and the object is the consumer's",
+            exc.reason, field=exc.field, limit=exc.limit)
 
     def loan_dedicated(self, session_id: str, sizes: Sequence[int]) -> pb.LoanResponse:
         """One new segment per size (all or nothing), named with a random suffix so nobody can
@@ -340,17 +354,19 @@ class Registry:
         for seg in segments:
             seg.unlink()
 
-    def commit(self, session_id: str, handles: Sequence[pb.Handle], hold_ms: int) -> None:
+    def commit(self, session_id: str, handles: Sequence[pb.Handle], hold_ms: int,
+               release_reference: bool = False) -> None:
         """Seal the session's loans ``handles`` (all or none): each is handed off, or held for
-        ``hold_ms`` (0: the tenant's default, at most ``max_hold_ms``)."""
+        ``hold_ms`` (0: the tenant's default, at most ``max_hold_ms``); ``release_reference``: the
+        session keeps no reference to them."""
         self._check_batch(handles, "handles")
         handles = list(handles)
         hold_ms = hold_ms or self.limits.default_hold_ms
         if hold_ms > self.limits.max_hold_ms:
             raise InvalidArgument(f"hold_ms={hold_ms} exceeds the maximum {self.limits.max_hold_ms}")
         with self._lock:
-            self._live_session(session_id)
-            self.allocations.commit(session_id, handles, hold_ms, self.limits.handoff_window_ms)
+            session = self._live_session(session_id)
+            self.allocations.commit(session, handles, hold_ms, self.limits.handoff_window_ms, release_reference)
 
     # -- consumer side ---------------------------------------------------------------------------
     def acquire(
@@ -581,3 +597,7 @@ class Registry:
                 f"offset {h.offset} + nbytes {h.nbytes} outside the arena of {self.allocator.nbytes} bytes",
                 Reason.OUT_OF_BOUNDS,
             )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"

@@ -302,7 +302,7 @@ class _Servicer(pb_grpc.DaemonServicer):
         session_id, tenant = self._session(context)
         _check_release_counts(request)
         self._piggybacked_release(tenant, session_id, request)
-        tenant.registry.commit(session_id, request.handles, request.hold_ms)
+        tenant.registry.commit(session_id, request.handles, request.hold_ms, request.release_reference)
         return pb.CommitResponse()
 
     def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:

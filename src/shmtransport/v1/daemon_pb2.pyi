@@ -109,14 +109,16 @@ class GrantResponse(_message.Message):
     def __init__(self, grant_id: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., first_slot: _Optional[int] = ..., nslots: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("handles", "hold_ms", "release")
+    __slots__ = ("handles", "hold_ms", "release_reference", "release")
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     handles: _containers.RepeatedCompositeFieldContainer[Handle]
     hold_ms: int
+    release_reference: bool
     release: ReleaseRequest
-    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., hold_ms: _Optional[int] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, handles: _Optional[_Iterable[_Union[Handle, _Mapping]]] = ..., hold_ms: _Optional[int] = ..., release_reference: _Optional[bool] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()
