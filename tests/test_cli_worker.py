@@ -1,7 +1,9 @@
 """The workers' commands from the outside: a missing optional package is one line naming it and the
 extra to install (exit 2), ``vllm-worker`` is listed in ``shmtransport --help`` while vLLM's parser
-keeps its flags, and a worker never takes a live worker's Unix socket over (a dead one's is
-replaced). Each call is a real process; the reference workers are real ``shmtransport worker``s."""
+keeps its flags, ``vllm-worker`` checks what needs no vLLM before importing it and an unknown flag
+is one line, not vLLM's usage, and a worker never takes a live worker's Unix socket over (a dead
+one's is replaced). Each call is a real process; the reference workers are real ``shmtransport
+worker``s."""
 from __future__ import annotations
 
 import importlib.util
@@ -37,6 +39,16 @@ def run_cli_without(module: str, *args: str) -> subprocess.CompletedProcess:
     code = (f"import sys; sys.modules[{module!r}] = None; from shmtransport.cli import main; "
             f"raise SystemExit(main({list(args)!r}))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def run_vllm_worker(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
+    """``shmtransport vllm-worker args`` in a process of its own, and whether it imported vLLM."""
+    code = ("import sys; from shmtransport.cli import main\n"
+            f"try: status = main(['vllm-worker', *{list(args)!r}])\n"
+            "except SystemExit as exc: status = exc.code\n"
+            "print('vllm' in sys.modules); raise SystemExit(status)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+    return result, result.stdout.rstrip().endswith("True")
 
 
 def _one_line(result: subprocess.CompletedProcess) -> str:
@@ -118,51 +130,65 @@ def test_a_second_worker_on_a_live_workers_socket_refuses_and_a_dead_workers_soc
             third.stop()
 
 
-@needs_vllm
-def test_the_vllm_worker_refuses_a_unix_socket_a_live_server_holds_before_starting_its_engine(tmpdir_short):
+def test_the_vllm_worker_refuses_a_unix_socket_a_live_server_holds_before_importing_vllm(tmpdir_short):
     sock = os.path.join(tmpdir_short, "v.sock")
     with claim_socket(sock, "test server"):  # held by this process, as a live worker holds its own
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(sock)
         try:
-            result = run_cli("vllm-worker", "--address", f"unix:{sock}", "--model", tmpdir_short, timeout_s=180)
-            # vLLM logs its own lines as it is imported; ours is the last, and no traceback.
-            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-            line = result.stderr.strip().splitlines()[-1]
+            result, imported_vllm = run_vllm_worker("--address", f"unix:{sock}", "--model", tmpdir_short)
+            line = _one_line(result)
             assert f"another test server (pid {os.getpid()}) is serving {sock}" in line, line
+            assert not imported_vllm
             assert stat.S_ISSOCK(os.lstat(sock).st_mode)  # left alone
         finally:
             listener.close()
     assert not os.path.exists(sock)
 
 
+# Each mistake in a command line otherwise right: the flags as given, and what the one line says.
+MISTAKES = {
+    "daemon": (["--daemon-socket", "{tmp}/nobody.sock"], "no usable shmtransport daemon at {tmp}/nobody.sock"),
+    "daemon, vLLM's spelling": (["--daemon_socket={tmp}/nobody.sock"], "no usable shmtransport daemon at"),
+    "daemon is a directory": (["--daemon-socket", "{tmp}"], "is not a socket"),
+    "model": (["--model", "{tmp}/no-such-model"], "no such file or directory"),
+    "address": (["--address", "127.0.0.1:{port}"], "cannot listen on 127.0.0.1:{port}: Address already in use"),
+    "address directory": (["--address", "unix:{tmp}/no-dir/w.sock"], "no directory {tmp}/no-dir"),
+    "verify": (["--verify", "sometimes"], "argument --verify: invalid choice: 'sometimes'"),
+    "model inputs": (["--model-inputs", "files"], "argument --model-inputs: invalid choice: 'files'"),
+}
 
-@needs_vllm
-@pytest.mark.parametrize("mistake", ["daemon", "model", "address"])
-def test_the_vllm_worker_checks_the_daemon_model_and_address_before_loading_the_engine(
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_the_vllm_worker_checks_its_flags_the_daemon_model_and_address_before_importing_vllm(
         mistake, make_daemon, tmpdir_short):
     daemon = make_daemon()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        port = busy.getsockname()[1]
-        flags = {"--model": tmpdir_short, "--daemon-socket": daemon.socket_path, "--address": "127.0.0.1:0"}
-        wrong, expected = {
-            "daemon": ("--daemon-socket", os.path.join(tmpdir_short, "nobody.sock")),
-            "model": ("--model", os.path.join(tmpdir_short, "no-such-model")),
-            "address": ("--address", f"127.0.0.1:{port}"),
-        }[mistake], {
-            "daemon": "no usable shmtransport daemon at",
-            "model": "no such file or directory",
-            "address": f"cannot listen on 127.0.0.1:{port}: Address already in use",
-        }[mistake]
-        flags[wrong[0]] = wrong[1]
-        result = run_cli("vllm-worker", *(part for flag in flags.items() for part in flag), timeout_s=180)
-    # vLLM logs its own lines as it is imported; ours is the last, and no engine was started.
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    line = result.stderr.strip().splitlines()[-1]
+        flags, expected = (text.format(tmp=tmpdir_short, port=busy.getsockname()[1])
+                           for text in (" ".join(MISTAKES[mistake][0]), MISTAKES[mistake][1]))
+        # the mistake comes last: the flag given last wins, also in vLLM's parser
+        result, imported_vllm = run_vllm_worker("--model", tmpdir_short, "--daemon-socket", daemon.socket_path,
+                                                "--address", "127.0.0.1:0", "--max-model-len", "4096",
+                                                *flags.split(" "))
+    line = _one_line(result)  # vLLM, never imported, logged nothing
     assert line.startswith("shmtransport vllm-worker: ") and expected in line, line
+    assert not imported_vllm
     assert os.listdir(tmpdir_short) == []  # nothing claimed or written
+
+
+@needs_vllm
+def test_an_unknown_vllm_worker_flag_is_one_line_not_vllms_usage(make_daemon, tmpdir_short):
+    daemon = make_daemon()
+    result = run_cli("vllm-worker", "--model", tmpdir_short, "--daemon-socket", daemon.socket_path,
+                     "--address", "127.0.0.1:0", "--bogus", "--max-model-len", "4096", timeout_s=180)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr[-2000:]
+    # vLLM may log a warning of its own as it is imported (no Triton CPU backend here); ours is the last line
+    assert "usage:" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "shmtransport vllm-worker: error: unrecognized arguments: --bogus (see shmtransport vllm-worker --help)")
+    assert os.listdir(tmpdir_short) == []
 
 
 @needs_vllm

@@ -4,10 +4,13 @@ vLLM itself.
 Without an engine: the hand-written ``Qwen2VLRenderer`` (kept because it needs neither vLLM nor
 its processor stack in the frontend) must produce exactly what vLLM's processor produces for the
 same media (tensors, placeholders, field layouts, ``keep_on_cpu``), on random sizes; vLLM's
-refusals arrive typed. With the engine (tests/test_engine_vllm.py): requests rendered this way
+refusals arrive typed. A text prompt renders exactly as its token ids do, for Qwen2-VL and every
+family of ``engine.tiny_families``. With the engine (tests/test_engine_vllm.py): requests rendered this way
 give the offline engine's tokens for the same source media.
 """
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ pytest.importorskip("vllm")  # conftest: a failure under SHMTRANSPORT_REQUIRE_EX
 from shmtransport.engine import tiny_model  # noqa: E402
 from shmtransport.engine.process import ENGINE_FLAGS  # noqa: E402
 from shmtransport.engine.qwen2_vl import Qwen2VLRenderer  # noqa: E402
+from shmtransport.engine.tiny_families import FAMILIES  # noqa: E402
 from shmtransport.errors import InvalidArgument  # noqa: E402
 from shmtransport.frontend.media import synthetic_image, synthetic_video  # noqa: E402
 from shmtransport.frontend.vllm_renderer import VllmRenderer  # noqa: E402
@@ -33,8 +37,6 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def renderers(model):
-    import json
-
     return VllmRenderer(model, limit_mm_per_prompt=json.loads(LIMITS)), Qwen2VLRenderer(model)
 
 
@@ -87,3 +89,44 @@ def test_vllms_refusals_are_typed(renderers, model):
         vllm_renderer.render(_prompt(model, ["image"]), {"image": [synthetic_image(56, 56, 1)] * 2})
     with pytest.raises(InvalidArgument, match="vLLM's processor"):  # more than the limit per prompt
         vllm_renderer.render(_prompt(model, ["video"] * 2), {"video": [np.zeros((2, 56, 56, 3), np.uint8)] * 2})
+
+
+# Qwen2-VL (``tiny_model``) and every family of ``tiny_families``: modality -> one item's placeholder text
+PLACEHOLDERS = {"qwen2_vl": {"image": "<|vision_start|><|image_pad|><|vision_end|>",
+                             "video": "<|vision_start|><|video_pad|><|vision_end|>"},
+                **{name: family.placeholders for name, family in FAMILIES.items()}}
+
+
+def _item(modality: str):
+    """One item as vLLM takes it: an HxWx3 image, (TxHxWx3 frames, metadata), (waveform, rate)."""
+    if modality == "image":
+        return np.asarray(synthetic_image(112, 84, 3).convert("RGB"))
+    if modality == "video":
+        frames = np.stack([np.asarray(f.convert("RGB")) for f in synthetic_video(4, 84, 84, 4)])
+        return frames, {"fps": 2.0, "duration": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3],
+                        "video_backend": "opencv"}
+    t = np.arange(16_000) / 16_000
+    return np.sin(2 * np.pi * 300 * t).astype(np.float32), 16_000
+
+
+@pytest.mark.parametrize("family", sorted(PLACEHOLDERS))
+def test_a_text_prompt_renders_as_its_token_ids(family, model, tmp_path_factory):
+    import torch
+    from transformers import AutoTokenizer
+
+    directory = model if family == "qwen2_vl" else str(FAMILIES[family].build(tmp_path_factory.mktemp(family)))
+    renderer = VllmRenderer(directory, limit_mm_per_prompt=json.loads(LIMITS))
+    placeholders = PLACEHOLDERS[family]
+    text = "describe " + " and ".join(placeholders.values()) + " in detail."
+    media = {m: [_item(m)] for m in placeholders}
+    from_text = renderer.render(text, media)
+    # the ids the model's own tokenizer gives, special tokens as a completions request adds them
+    from_ids = renderer.render(AutoTokenizer.from_pretrained(directory)(text)["input_ids"], media)
+    assert from_text.token_ids == from_ids.token_ids
+    assert [f.modality for f in from_text.features] == list(placeholders)
+    for a, b in zip(from_text.features, from_ids.features, strict=True):
+        assert a.placeholder == b.placeholder
+        assert a.kwargs.keys() == b.kwargs.keys()
+        for key, value in a.kwargs.items():
+            assert torch.equal(value, b.kwargs[key]), key
+            assert a.field(key) == b.field(key), key

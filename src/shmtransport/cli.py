@@ -398,14 +398,17 @@ def _run_epd_proxy(argv: list[str]) -> int:
 
 
 def _run_vllm_worker(argv: list[str]) -> int:
-    """vLLM's engine flags are parsed by vLLM's own parser (``--help`` too); without vLLM, one line."""
+    """vLLM's engine flags are parsed by vLLM's own parser (``--help`` too), once the checks that
+    need no vLLM have passed; without vLLM, one line."""
     from .engine import worker as engine_worker
 
-    try:
-        parser = engine_worker.build_parser()  # imports vLLM
-    except ModuleNotFoundError as exc:
-        raise _missing_dependency(exc) from exc
-    return engine_worker.run(parser.parse_args(argv))
+    def vllm_parser() -> argparse.ArgumentParser:
+        try:
+            return engine_worker.build_parser()  # imports vLLM
+        except ModuleNotFoundError as exc:
+            raise _missing_dependency(exc) from exc
+
+    return engine_worker.main(argv, vllm_parser)
 
 
 def _log_level_option(parser: argparse.ArgumentParser, default: str) -> None:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
-from typing import Any, AsyncIterator, cast
+from typing import Any, AsyncIterator, Callable, NoReturn, cast
 
 import grpc
 
@@ -300,17 +301,20 @@ async def serve(args: argparse.Namespace) -> None:
         consumer.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """vLLM's own parser (every engine flag) with ours added. Sets ``environment.PRIVACY_DEFAULTS``
-    where unset and imports vLLM: raises ModuleNotFoundError without it (``shmtransport
-    vllm-worker`` says what to install)."""
-    environment.apply_defaults(environment.PRIVACY_DEFAULTS)
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+PROG = "shmtransport vllm-worker"
 
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """A mistake on the command line is one line on stderr and exit status 2: vLLM's usage alone
+    is ~250 lines, which would bury it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_our_flags(parser: argparse.ArgumentParser) -> None:
     from ..wire import default_socket_path
 
-    parser = FlexibleArgumentParser(prog="shmtransport vllm-worker", description=DESCRIPTION)
     parser.add_argument("--address", default="127.0.0.1:50061", help="gRPC address (HOST:PORT or unix:PATH)")
     parser.add_argument("--daemon-socket", default=default_socket_path(), help="shmtransportd socket")
     parser.add_argument("--verify", choices=("always", "never"), default="always",
@@ -319,7 +323,42 @@ def build_parser() -> argparse.ArgumentParser:
                         help="handles: tensors reach the process where the model runs as handles and are "
                              "mapped there (our worker class); views: vLLM's API process gets views and "
                              "vLLM copies the bytes to the model itself")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """vLLM's own parser (every engine flag) with ours added. Sets ``environment.PRIVACY_DEFAULTS``
+    where unset and imports vLLM: raises ModuleNotFoundError without it (``shmtransport
+    vllm-worker`` says what to install)."""
+    environment.apply_defaults(environment.PRIVACY_DEFAULTS)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Parser(_OneLineErrors, FlexibleArgumentParser):  # type: ignore[misc]  # vLLM has no type hints
+        pass
+
+    parser = Parser(prog=PROG, description=DESCRIPTION)
+    _add_our_flags(parser)
     return cast(argparse.ArgumentParser, AsyncEngineArgs.add_cli_args(parser))
+
+
+def _early_args(argv: list[str]) -> argparse.Namespace | None:
+    """Our flags and ``--model`` as vLLM's parser will read them, read without importing vLLM
+    (5-25 s) so that the checks before the engine loads answer at once; None where only vLLM's
+    parser can read them (``--help``, a ``--config`` file)."""
+    if any(arg in ("-h", "--help", "--config") or arg.startswith(("--help=", "--config=")) for arg in argv):
+        return None
+    parser = _OneLineErrors(prog=PROG, add_help=False)  # abbreviations resolve as in vLLM's parser
+    _add_our_flags(parser)
+    parser.add_argument("--model")
+    return parser.parse_known_args([_dashed(arg) for arg in argv])[0]
+
+
+def _dashed(arg: str) -> str:
+    """A flag as vLLM's parser reads it: ``--daemon_socket=x`` is ``--daemon-socket=x``."""
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg.partition("=")
+    return name.replace("_", "-") + sep + value
 
 
 def _address_problem(address: str) -> str | None:
@@ -375,34 +414,39 @@ def _daemon_problem(daemon_socket: str) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT. What can be checked before the engine loads (it takes
-    minutes on a real model) is checked first, each problem one line and exit status 2: the
-    address, the model path, the daemon. A ``unix:PATH`` address is claimed before the engine starts
-    (``socket_lock.claim_socket``): while another live worker serves that path this raises
-    ``SocketInUse`` and leaves its socket alone; at exit the socket is unlinked while still ours."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    problem = (_address_problem(args.address) or _model_problem(args.model)
-               or _vllm_problem(args.model_inputs, args.mm_processor_cache_type))
+def _problem(args: argparse.Namespace, claims: contextlib.ExitStack) -> str | None:
+    """What is wrong with the address, the model path or the daemon (none of it needs vLLM). A
+    ``unix:PATH`` address is claimed into ``claims`` (``socket_lock.claim_socket``): while another
+    live worker serves that path this raises ``SocketInUse`` and leaves its socket alone."""
+    problem = _address_problem(args.address) or _model_problem(args.model)
     path = unix_socket_path(args.address)
-    claim = claim_socket(path, "shmtransport vllm-worker") if path is not None and problem is None else None
-    try:
-        problem = problem or _daemon_problem(args.daemon_socket)
+    if path is not None and problem is None:
+        claims.enter_context(claim_socket(path, PROG))
+    return problem or _daemon_problem(args.daemon_socket)
+
+
+def main(argv: list[str], parser: Callable[[], argparse.ArgumentParser] = build_parser) -> int:
+    """``shmtransport vllm-worker``: parse vLLM's flags and ours (``parser``: vLLM's, which imports
+    it), then serve until SIGTERM or SIGINT; the exit status. What can be checked before the engine
+    loads (it takes minutes on a real model) is checked first, each problem one line and exit status
+    2: the address, the model path and the daemon before vLLM is imported (unless only its parser
+    can read the flags), then the installed vLLM. A claimed ``unix:PATH`` address is unlinked at exit
+    while still ours."""
+    early = _early_args(argv)
+    with contextlib.ExitStack() as claims:
+        problem = None if early is None else _problem(early, claims)
+        if problem is None:
+            args = parser().parse_args(argv)
+            problem = ((_problem(args, claims) if early is None else None)
+                       or _vllm_problem(args.model_inputs, args.mm_processor_cache_type))
         if problem is not None:
-            print(f"shmtransport vllm-worker: {problem}", file=sys.stderr)
+            print(f"{PROG}: {problem}", file=sys.stderr)
             return 2
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         import uvloop
 
         uvloop.run(serve(args))
-    finally:
-        if claim is not None:
-            claim.release()
     return 0
-
-
-def main(argv: list[str]) -> int:
-    """``shmtransport vllm-worker``: parse vLLM's flags and ours, then ``run``; the exit status."""
-    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ processor configs), never its weights.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Mapping, Sequence
 
 from ..embedmask import EmbedMask, PlaceholderRange
@@ -78,7 +77,9 @@ class VllmRenderer:
         else:
             request["prompt_token_ids"] = [int(t) for t in prompt]
         try:
-            engine_input = self._processor.renderer.process_for_engine(request, time.time())
+            # vLLM's completions path: a text prompt is tokenized as its server would (the model's
+            # defaults, e.g. special tokens), token ids are length-checked, then media processed
+            (engine_input,) = self._processor.renderer.render_cmpl([request])
             rendered = self._processor.process_inputs("render", engine_input, SamplingParams(max_tokens=1),
                                                       ("generate",))
         # vLLM checks a request with exceptions of its own, ValueErrors and (placeholders that do
