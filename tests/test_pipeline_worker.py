@@ -305,20 +305,38 @@ def test_frontend_sigkill_mid_request(stack, holding):
 
 @pytest.mark.parametrize("worker", [
     "reference",
-    pytest.param("vllm", marks=pytest.mark.timeout(900)),  # two vLLM engines start side by side
+    pytest.param("vllm", marks=pytest.mark.timeout(700)),  # five vLLM engines start, about 3.5 min in all
 ])
-def test_demo_quick_runs_clean(worker):
-    """``make demo`` (vLLM's engine by default) and the reference-worker demo: every path agrees,
-    nothing is left in /dev/shm."""
+def test_demo_runs_clean(worker):
+    """``make demo`` as it runs by default (vLLM's engine) and the reference-worker demo: every path
+    agrees, nothing is left in /dev/shm."""
     if worker == "vllm" and BACKEND == "python":
-        # ~140 s of engine start; ``make demo`` runs the C backend, and vLLM's engine under the
+        # minutes of engine starts; ``make demo`` runs the C backend, and vLLM's engine under the
         # pure-Python backend is covered by test_engine_vllm.py.
         pytest.skip("make demo runs the C backend")
     before = {n for n in os.listdir("/dev/shm") if n.startswith("shmtdemo")}
     demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "demo.py")
-    proc = subprocess.run([sys.executable, demo, "--quick", "--worker", worker],
-                          capture_output=True, text=True, timeout=150 if worker == "reference" else 840)
+    proc = subprocess.run([sys.executable, demo, "--worker", worker],
+                          capture_output=True, text=True, timeout=150 if worker == "reference" else 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "leftovers: none" in proc.stdout
     assert "DIFF" not in proc.stdout
     assert {n for n in os.listdir("/dev/shm") if n.startswith("shmtdemo")} <= before
+    if worker == "vllm":  # the same rows every run: 4 kinds x 3 paths, then 3 sizes x 2 topologies
+        rows = [line for line in proc.stdout.splitlines()
+                if line.endswith(("  same", "  same tokens, logprobs apart"))]
+        assert len(rows) == 4 * 3 + 3 * 2, proc.stdout[-3000:]
+
+
+def test_demo_parity_verdict():
+    """The demo fails on other tokens only: equal tokens with logprobs apart (bf16 kernels of other
+    shapes; 3.9e-3 was seen) are marked, not failed."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
+    try:
+        import vllm_demo
+    finally:
+        sys.path.pop(0)
+    assert vllm_demo.logprob_diff([-1.0, -2.0], [-1.0, -2.0039]) == pytest.approx(3.9e-3)
+    assert vllm_demo.verdict(True, 3.9e-3) == "same"
+    assert vllm_demo.verdict(True, 0.5) == "same tokens, logprobs apart"
+    assert vllm_demo.verdict(False, 0.0) == "DIFFERENT"

@@ -90,10 +90,11 @@ class Topology:
     - ``both-example`` / ``both-ours``: one ``ec_both`` server, which loads what it saved before.
 
     ``start`` gives the URL clients use. ``count_encoder_inputs``: the servers log vLLM's iteration
-    details (its stats logger on), which ``encoder_inputs`` adds up."""
+    details (its stats logger on), which ``encoder_inputs`` adds up. ``extra_flags``: more engine
+    flags for every server (the demo's ``--no-enable-prefix-caching``)."""
 
     def __init__(self, name: str, model: str, work_dir: str | os.PathLike[str], daemon_socket: str, *,
-                 count_encoder_inputs: bool = False) -> None:
+                 count_encoder_inputs: bool = False, extra_flags: Sequence[str] = ()) -> None:
         if name not in TOPOLOGIES:
             raise ValueError(f"topology {name!r} is not one of {', '.join(TOPOLOGIES)}")
         self.name = name
@@ -104,6 +105,7 @@ class Topology:
         flags = list(ENGINE_FLAGS)
         if count_encoder_inputs:
             flags = [f for f in flags if f != "--disable-log-stats"] + ["--enable-logging-iteration-details"]
+        flags += extra_flags
         example = name.endswith("example")
         roles: dict[str, Role | None] = {"llm": None} if name == "aggregated" else \
             {"llm": "ec_both"} if name.startswith("both") else {"encoder": "ec_producer", "llm": "ec_both"}
