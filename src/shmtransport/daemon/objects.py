@@ -453,13 +453,19 @@ class ObjectBook:
         return holdings
 
     def own_objects(self, session_id: str) -> OwnObjects:
-        """The live session's own objects in the table (a full arena's error tells their producer)."""
+        """The live session's own objects in the table (a full arena's error tells their producer):
+        only its grants' slots are read, as a refusal is answered again at every poll of a wait."""
         bit = self._bits.get(session_id)
         if bit is None:
             return OwnObjects()
         cols = self.table.columns
-        held = (self.table.holders.copy() & np.uint64(1 << bit)) != 0
-        own = np.flatnonzero(held & (cols["owner"] == bit))
+        slots = [np.arange(g.first_slot, g.first_slot + g.nslots) for g in self._grants.values()
+                 if g.session_id == session_id]
+        if not slots:
+            return OwnObjects()
+        grants = np.concatenate(slots)
+        held = (self.table.holders[grants] & np.uint64(1 << bit)) != 0
+        own = grants[held & (cols["owner"][grants] == bit)]
         nbytes, loaned = self._bounded_sizes(own), cols["state"][own] == LOANED
         return OwnObjects(int(loaned.sum()), int(nbytes[loaned].sum()), int((~loaned).sum()),
                           int(nbytes[~loaned].sum()))
