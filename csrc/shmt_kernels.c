@@ -847,11 +847,14 @@ int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
      * slot was freed and reused between the first check and the exchange), only a free was
      * delayed: take the bit back and refuse. */
     int32_t status = SHMT_SLOT_OK;
-    uint64_t state = __atomic_load_n(&slot->state, __ATOMIC_ACQUIRE);
+    /* seq_cst, as shmt_slot_retire's store and load: one of us sees the other (Dekker). */
+    uint64_t state = __atomic_load_n(&slot->state, __ATOMIC_SEQ_CST);
     if (shmt_load(&slot->generation) != generation)
         status = SHMT_SLOT_STALE;
     else if (state == SHMT_SLOT_LOANED)
         status = SHMT_SLOT_NOT_COMMITTED;
+    else if (state != SHMT_SLOT_COMMITTED && state != SHMT_SLOT_HELD)
+        status = SHMT_SLOT_STALE; /* retired: its bytes may be another object's now */
     else if (__atomic_load_n(&slot->offset, __ATOMIC_RELAXED) != offset ||
              __atomic_load_n(&slot->nbytes, __ATOMIC_RELAXED) != nbytes)
         status = SHMT_SLOT_MISMATCH;
@@ -877,6 +880,31 @@ int32_t shmt_slot_release(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
     uint64_t drop = SHMT_BIT(bit) | (cancel_handoff ? SHMT_HANDOFF : 0);
     uint64_t before = __atomic_fetch_and(holders, ~drop, __ATOMIC_SEQ_CST);
     *remaining = before & ~drop;
+    return SHMT_SLOT_OK;
+}
+
+int32_t shmt_slot_retire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index)
+{
+    shmt_slot *slot = shmt_slot_at(table, nslots, index);
+    uint64_t *holders = shmt_holders_at(holds, nslots, index);
+    if (!slot || !holders) return SHMT_EINVAL;
+    if (shmt_load(holders) != 0) return SHMT_SLOT_ALREADY;
+    __atomic_store_n(&slot->state, SHMT_SLOT_FREE, __ATOMIC_SEQ_CST);
+    /* An acquirer whose exchange came before the FREE store may have checked the old state: its
+     * bit is still in the word (an honest one takes it back only after its checks). One whose
+     * exchange comes after reads FREE and refuses. So a word still 0 now means nobody holds it. */
+    if (__atomic_load_n(holders, __ATOMIC_SEQ_CST) != 0) return SHMT_SLOT_ALREADY;
+    /* The daemon pins before its acquire's exchange and re-check: if that re-check saw a state
+     * other than FREE, this load sees its pin. */
+    if (__atomic_load_n(&slot->daemon_pin, __ATOMIC_SEQ_CST) != 0) return SHMT_SLOT_ALREADY;
+    return SHMT_SLOT_OK;
+}
+
+int32_t shmt_slot_pin(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t pinned)
+{
+    shmt_slot *slot = shmt_slot_at(table, nslots, index);
+    if (!slot || pinned > 1) return SHMT_EINVAL;
+    __atomic_store_n(&slot->daemon_pin, pinned, __ATOMIC_SEQ_CST);
     return SHMT_SLOT_OK;
 }
 
@@ -1083,16 +1111,15 @@ int32_t shmt_grant_place(shmt_grant_space *g, uint8_t *table, uint8_t *holds, ui
     return SHMT_GRANT_NO_ROOM;
 }
 
-int32_t shmt_grant_reclaim(shmt_grant_space *g, uint8_t *holds, uint64_t nslots, uint64_t index)
+int32_t shmt_grant_reclaim(shmt_grant_space *g, uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index)
 {
     if (!g || index < g->first_slot || index - g->first_slot >= g->nslots) return SHMT_GRANT_NOT_LIVE;
     uint32_t rel = (uint32_t)(index - g->first_slot);
     shmt_grant_arrays a = shmt_grant_arrays_of(g);
     uint64_t start = a.live_off[rel], len = a.live_len[rel];
     if (len == 0) return SHMT_GRANT_NOT_LIVE;
-    uint64_t *holders = shmt_holders_at(holds, nslots, index);
-    if (!holders) return SHMT_EINVAL;
-    if (shmt_load(holders) != 0) return SHMT_SLOT_ALREADY; /* still held: its bytes are not ours yet */
+    int32_t rc = shmt_slot_retire(table, holds, nslots, index);
+    if (rc != SHMT_SLOT_OK) return rc; /* still held: its bytes are not ours yet */
     a.live_len[rel] = 0;
     g->used -= len;
     uint64_t end = start + len;
@@ -1117,7 +1144,12 @@ int32_t shmt_grant_release(shmt_grant_space *g, uint8_t *table, uint8_t *holds, 
 {
     int32_t rc = shmt_slot_release(table, holds, nslots, index, generation, bit, cancel_handoff, remaining);
     if (rc != SHMT_SLOT_OK || *remaining) return rc;
-    return shmt_grant_reclaim(g, holds, nslots, index);
+    rc = shmt_grant_reclaim(g, table, holds, nslots, index);
+    if (rc == SHMT_SLOT_ALREADY) { /* released, but not yet ours to reuse */
+        *remaining = SHMT_NOT_RECLAIMED;
+        return SHMT_SLOT_OK;
+    }
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -108,14 +108,18 @@ int32_t shmt_mask_window(const uint8_t *packed, uint64_t packed_nbytes, uint64_t
  *   bit 63      the hand-off hold: set at commit, dropped by the first acquire (or when the
  *               hand-off window passes, by the daemon), so a committed object outlives its
  *               producer until a consumer takes it.
- * holders == 0 is terminal for a generation: nobody may add a bit to it, so the owner of the
- * slot (or the daemon, for a dead owner) can reuse the slot and its bytes.
+ * holders == 0 is terminal for a generation: nobody may honestly add a bit to it, so the owner of
+ * the slot (or the daemon, for a dead owner) can reuse the slot and its bytes. Whoever takes the
+ * bytes back first retires the slot (shmt_slot_retire: state FREE, in the slots, which consumers
+ * cannot write), so a bit a client ORs into a dead word afterwards never makes a stale handle
+ * match again.
  * Status codes of the slot kernels are >= 0: SHMT_SLOT_OK or one of the refusals below.
  */
 #define SHMT_SLOT_NBYTES 64
 #define SHMT_SESSION_BITS 62
 #define SHMT_HOLDER_PROXY 62
 #define SHMT_HOLDER_HANDOFF 63
+#define SHMT_SLOT_FREE 0 /* no object: never used, or its object died and its bytes went back */
 #define SHMT_SLOT_LOANED 1
 #define SHMT_SLOT_COMMITTED 2
 #define SHMT_SLOT_HELD 3 /* committed with a hold: the first acquire keeps the hand-off bit */
@@ -137,11 +141,13 @@ typedef struct {
     uint64_t generation;  /* of the object now in the slot; grows by one per reuse, never reset */
     uint64_t offset;      /* arena byte offset */
     uint64_t nbytes;
-    uint64_t state;       /* SHMT_SLOT_LOANED / _COMMITTED / _HELD */
+    uint64_t state;       /* SHMT_SLOT_FREE / _LOANED / _COMMITTED / _HELD */
     uint64_t deadline_ns; /* CLOCK_MONOTONIC end of the hand-off window (or of the hold) */
     uint64_t owner;       /* session bit of the producer that loaned it */
     uint64_t grant_state; /* in a grant's first slot: that grant's state word (below) */
-    uint64_t unused;
+    uint64_t daemon_pin;  /* 1 while the daemon holds the object for clients without a bit: its bytes
+                           * are not reused, whatever a consumer writes into the holds (only the
+                           * daemon writes it; consumers cannot write the slots) */
 } shmt_slot;
 
 /* A grant's state word, (grant id << 2) | SHMT_GRANT_*: the producer parks an empty grant it
@@ -159,7 +165,8 @@ int32_t shmt_slot_publish(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
 /* Seal a loan held by `bit`: state = COMMITTED (HELD when `hold`), hand-off bit set. */
 int32_t shmt_slot_commit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                          uint32_t bit, uint64_t deadline_ns, int32_t hold);
-/* Add `bit` to a live committed object of this generation, offset and size; then drop the
+/* Add `bit` to a live committed object (COMMITTED or HELD; a retired one is STALE) of this
+ * generation, offset and size; then drop the
  * hand-off bit unless the object is HELD. SHMT_SLOT_ALREADY when `bit` held that very object
  * already (another lease of the same client); any other refusal leaves the holders as they were. */
 int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
@@ -167,6 +174,14 @@ int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
 /* Drop `bit` (and the hand-off bit too when `cancel_handoff`); *remaining = holders after. */
 int32_t shmt_slot_release(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                           uint32_t bit, int32_t cancel_handoff, uint64_t *remaining);
+/* The object in `index` died (holders == 0): mark the slot FREE before its bytes are reused.
+ * SHMT_SLOT_ALREADY when anyone holds it, also when a bit appeared while it was being retired (a
+ * client wrote it) or the daemon pins it: its bytes stay where they are until the word is 0 and
+ * the pin gone; the slot stays FREE, so no handle acquires it meanwhile. Idempotent. */
+int32_t shmt_slot_retire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index);
+/* Daemon: set (1) or clear (0) the slot's daemon_pin, before it acquires the object with the proxy
+ * bit and after it released it (shmt_slot_retire's store-then-load pairs with it). */
+int32_t shmt_slot_pin(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t pinned);
 /* Daemon: drop the hand-off bit of an object whose window ended before now_ns; *freed = 1 when
  * that left nobody holding it. */
 int32_t shmt_slot_expire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t now_ns,
@@ -213,11 +228,14 @@ int32_t shmt_grant_space_init(shmt_grant_space *g, uint64_t base, uint64_t nbyte
  * taken either way. */
 int32_t shmt_grant_place(shmt_grant_space *g, uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t nbytes,
                          uint32_t bit, uint64_t *out);
-/* The object in table index `index` died: its bytes and its slot go back to the grant.
- * SHMT_SLOT_ALREADY (nothing changes) while anyone still holds it. */
-int32_t shmt_grant_reclaim(shmt_grant_space *g, uint8_t *holds, uint64_t nslots, uint64_t index);
+/* The object in table index `index` died: the slot is retired (shmt_slot_retire), then its bytes
+ * and the slot go back to the grant. SHMT_SLOT_ALREADY (nothing goes back) while anyone holds it. */
+int32_t shmt_grant_reclaim(shmt_grant_space *g, uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index);
 /* shmt_slot_release of the grant's object in `index`, then shmt_grant_reclaim when that left
- * nobody holding it (*remaining == 0). */
+ * nobody holding it (*remaining == 0). *remaining = SHMT_NOT_RECLAIMED when nobody holds it but
+ * its slot could not be retired (a bit written meanwhile, the daemon's pin): it stays the
+ * producer's to reclaim later. */
+#define SHMT_NOT_RECLAIMED UINT64_MAX
 int32_t shmt_grant_release(shmt_grant_space *g, uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index,
                            uint64_t generation, uint32_t bit, int32_t cancel_handoff, uint64_t *remaining);
 

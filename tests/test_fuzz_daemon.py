@@ -113,7 +113,7 @@ def check_answer(daemon, method: str, payload: bytes, code, details: tuple[str, 
     elif method == "Grant":
         if response.grant_id:
             assert response.nbytes >= request.nbytes and response.offset + response.nbytes <= ARENA, response
-            assert response.nslots >= request.nslots
+            assert response.nslots >= 1  # as asked, or the longest run of free slots
             assert response.first_slot + response.nslots <= registry.objects.nslots
     elif method == "Acquire":
         assert len(response.lease_ids) == len(request.handles)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import mmap
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -119,11 +120,33 @@ class GrantMachine(RuleBasedStateMachine):
 
     @rule(slot=st.integers(0, TABLE_SLOTS - 1))
     def reclaiming_an_object_still_held_or_not_the_grants_is_refused(self, slot: int) -> None:
-        """Held by its producer, or no live object of this grant (never placed, or already back)."""
+        """Held by its producer: nothing comes back; no live object of this grant (never placed, or
+        already back): refused."""
         if slot in self.dead:
+            return
+        if slot in self.live:
+            assert self.table.reclaim_in(self.space, slot) is False
             return
         with pytest.raises(StateError):
             self.table.reclaim_in(self.space, slot)
+
+    @precondition(lambda self: self.dead)
+    @rule(data=st.data(), pinned=st.booleans())
+    def a_dead_object_with_a_written_bit_or_a_pin_stays_until_both_go(self, data: st.DataObject,
+                                                                      pinned: bool) -> None:
+        """A bit a client wrote into a dead object's word, or the daemon's pin, keeps its bytes;
+        the slot is retired all the same, and comes back once the word is 0 and the pin gone."""
+        slot = data.draw(st.sampled_from(sorted(self.dead)))
+        if pinned:
+            self.table.pin(slot, True)
+        else:
+            self.table.holders[slot] |= np.uint64(1 << 40)
+        assert self.table.reclaim_in(self.space, slot) is False
+        assert int(self.table.columns[slot]["state"]) == objtable.FREE or not pinned
+        if pinned:
+            self.table.pin(slot, False)
+        else:
+            self.table.holders[slot] &= ~np.uint64(1 << 40)
 
     @invariant()
     def agrees_with_the_reference(self) -> None:

@@ -147,3 +147,24 @@ def test_a_producer_loop_of_64_mib_objects_never_fills_a_1_gib_arena(shm_make_da
     finally:
         for child in children.values():
             child.close()
+
+
+def test_producers_that_hand_off_one_object_and_close_keep_one_slot_each(shm_make_daemon):
+    """Each such producer once kept its whole grant's 64 slots for the hand-off window: two of them
+    filled a table of 128 slots, and the next producer was refused at once. Now a dead slot of an
+    orphaned grant goes back to the table when its object dies (or at once), and a grant gets the
+    longest run of free slots when no 64 are free in a row."""
+    daemon = shm_make_daemon(arena_nbytes=16 * MIB, object_slots=128, handoff_window_ms=60_000)
+    handed_off = []
+    for value in range(2):
+        with Producer(daemon.socket_path) as producer:
+            handed_off.append(producer.put(np.full(4096, value, np.uint8), keep=False))
+    with Producer(daemon.socket_path, alloc_wait_s=0) as producer, Consumer(daemon.socket_path) as consumer:
+        for value in range(10, 110):
+            handle = producer.put(np.full(4096, value, np.uint8), keep=False)
+            with consumer.acquire(handle) as lease:
+                assert int(lease.array[0]) == int(lease.array[-1]) == value
+        for value, handle in enumerate(handed_off):
+            with consumer.acquire(handle) as lease:
+                assert int(lease.array[0]) == value
+        wait_until(lambda: _live(consumer) == (0, 0), timeout_s=TIMEOUT_S, what="every object freed")

@@ -1,9 +1,10 @@
 """The object table's slot state machine: the C kernels and the single-writer Python kernels
 (a daemon's table without the C kernels) against one model of docs/objects.md.
 
-Hypothesis drives random sequences of publish, commit, acquire, release, expire and session
-clearing on a real table in shared memory and checks every status and every holders word against
-the model, for each kernel set this process has.
+Hypothesis drives random sequences of publish, commit, acquire, release, expire, session
+clearing, the daemon's pins, retiring a dead slot (its bytes about to be reused) and a client's
+bits written into any word (a hostile consumer's OR) on a real table in shared memory and checks every status and
+every holders word against the model, for each kernel set this process has.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Slot:
         self.state = 0
         self.offset = self.nbytes = 0
         self.deadline = 0
+        self.pinned = False
 
     @property
     def word(self) -> int:
@@ -97,6 +99,8 @@ class SlotMachine(RuleBasedStateMachine):
             expected = SlotStatus.STALE
         elif m.state == objtable.LOANED:
             expected = SlotStatus.NOT_COMMITTED
+        elif m.state == objtable.FREE:  # retired: whatever bits were written into its word since
+            expected = SlotStatus.STALE
         elif wrong_size:
             expected = SlotStatus.MISMATCH
         elif bit in m.holders:  # the very object named, held already: checked like a new hold, nothing taken
@@ -141,6 +145,38 @@ class SlotMachine(RuleBasedStateMachine):
             m.holders.discard(bit)
         assert self.table.clear_bit(bit) == (held, len(died), sum(m.nbytes for m in died))
 
+    @rule(slot=SLOT)
+    def retire(self, slot):
+        """The slot's owner takes a dead object's bytes back: only when nobody holds it and the
+        daemon does not pin it (the slot is FREE from then on either way)."""
+        m = self.model[slot]
+        assert self.table.retire(slot) is (m.word == 0 and not m.pinned)
+        if m.word == 0:
+            m.state = objtable.FREE
+
+    @rule(slot=SLOT, pinned=st.booleans())
+    def the_daemon_pins(self, slot, pinned):
+        self.table.pin(slot, pinned)
+        self.model[slot].pinned = pinned
+
+    @rule(slot=SLOT, bit=BITS)
+    def a_client_writes_a_bit(self, slot, bit):
+        """A hostile consumer ORs a bit into a word, dead or alive (it may write the holds)."""
+        self.table.holders[slot] |= 1 << bit
+        self.model[slot].holders.add(bit)
+
+    @precondition(lambda self: any(m.state == objtable.FREE and m.generation for m in self.model))
+    @rule(data=st.data(), forged=BITS)
+    def a_retired_slot_is_never_acquired_again(self, data, forged):
+        """Resurrected by a written bit or not, a retired generation is refused (its bytes may be
+        another object's), and the acquire leaves the word as it was."""
+        slot = data.draw(st.sampled_from([i for i, m in enumerate(self.model)
+                                          if m.state == objtable.FREE and m.generation]))
+        m = self.model[slot]
+        self.a_client_writes_a_bit(slot, forged)
+        assert self.table.acquire(slot, m.generation, m.offset, m.nbytes, 5) is SlotStatus.STALE
+        assert int(self.table.holders[slot]) == m.word
+
     @precondition(lambda self: any(m.word == 0 and m.generation for m in self.model))
     @rule(data=st.data())
     def a_dead_generation_stays_dead(self, data):
@@ -154,6 +190,8 @@ class SlotMachine(RuleBasedStateMachine):
         for index, m in enumerate(self.model):
             assert int(self.table.holders[index]) == m.word, index
             assert int(self.table.columns["generation"][index]) == m.generation
+            assert int(self.table.columns["state"][index]) == m.state
+            assert int(self.table.columns["daemon_pin"][index]) == m.pinned
 
 
 class SingleWriterSlotMachine(SlotMachine):
@@ -220,8 +258,8 @@ def test_the_table_layout_is_the_c_headers():
         assert ffi.sizeof(ctype) == dtype.itemsize == objtable.SLOT_NBYTES
         for name in dtype.names:
             assert ffi.offsetof(ctype, name) == dtype.fields[name][1], (ctype, name)
-    assert [n for n in objtable.SLOT_DTYPE.names if n != "unused"] == [
-        "generation", "offset", "nbytes", "state", "deadline_ns", "owner", "grant_state"]
+    assert list(objtable.SLOT_DTYPE.names) == [
+        "generation", "offset", "nbytes", "state", "deadline_ns", "owner", "grant_state", "daemon_pin"]
 
 
 @needs_c

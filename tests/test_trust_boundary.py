@@ -266,6 +266,142 @@ def test_a_read_only_consumer_cannot_change_what_anyone_reads(make_daemon):
                    "numpy": "refused"}, out
 
 
+def _reuse_a_dead_objects_bytes(conn, socket_path: str) -> None:
+    """As uid 65534, a producer and an honest consumer of their tenant: an object dies (its bytes
+    go back to the producer's grant), and once another session wrote a bit into its dead word, the
+    next object takes its bytes and the consumer tries the old handle again."""
+    _become_nobody()
+    with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as producer, \
+            Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as consumer:
+        old = producer.put(np.full(4096, 1, np.uint8))
+        with consumer.acquire(old) as lease:
+            assert lease.array[0] == 1
+        producer.release(old, wait=True)  # nobody holds it: its bytes are the grant's again
+        conn.send(old.shm.slot - 1)
+        assert conn.recv() == "written"
+        new = producer.put(np.full(4096, 2, np.uint8))
+        try:
+            with consumer.acquire(old) as lease:
+                outcome = f"ACQUIRED, reads {int(lease.array[0])}"
+        except ShmTransportError as exc:
+            outcome = _error(exc)
+        conn.send((new.shm.offset == old.shm.offset, outcome))
+        producer.release(new, wait=True)
+    conn.recv()
+
+
+def _write_own_bit(conn, socket_path: str) -> None:
+    """As uid 65534, a read-only consumer of the same tenant: OR its own bit into a slot's holders
+    (the one word of the table it may write)."""
+    _become_nobody()
+    with Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as consumer:
+        slot = conn.recv()
+        conn_ = consumer._conn
+        conn_.table.holders[slot] |= np.uint64(1 << conn_.holder_bit)
+        conn.send("written")
+        conn.recv()
+
+
+@needs_root
+def test_a_bit_written_into_a_dead_slot_never_lets_a_stale_handle_read_the_next_objects_bytes(make_daemon):
+    """It once could: the producer's grant had reused the dead object's bytes, the slot still said
+    COMMITTED at that generation, offset and size, and the written bit made its word non-zero, so
+    the old handle acquired and read the new object's bytes."""
+    if not objtable.available():
+        pytest.skip("the object table is the C kernels'")
+    daemon = make_daemon(allowed_uids=(0, NOBODY))
+    _open_to_nobody(daemon)
+    with BlockingChild(_reuse_a_dead_objects_bytes, daemon.socket_path) as victim, \
+            BlockingChild(_write_own_bit, daemon.socket_path) as attacker:
+        attacker.send(victim.recv(timeout_s=60))
+        assert attacker.recv(timeout_s=60) == "written"
+        victim.send("written")
+        same_bytes, outcome = victim.recv(timeout_s=60)
+        assert same_bytes  # the attack's premise: the new object lies in the old one's bytes
+        assert outcome == "HandleError/stale_handle", outcome
+        for child in (victim, attacker):
+            child.send("exit")
+
+
+def _lease_without_a_bit(conn, socket_path: str) -> None:
+    """As uid 65534, a consumer without the C kernels (spawned with the pure-Python backend): the
+    daemon holds its lease with the proxy bit. It reads the object before and after the attack."""
+    from shmtransport import BACKEND
+
+    _become_nobody()
+    with Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as consumer:
+        lease = consumer.acquire_bytes(conn.recv())
+        conn.send((BACKEND, int(lease.array[0])))
+        assert conn.recv() == "read again"
+        conn.send((int(lease.array[0]), int(lease.array[-1])))
+        lease.release()
+    conn.recv()
+
+
+def _produce_after_a_cleared_proxy_bit(conn, socket_path: str) -> None:
+    """As uid 65534, a producer with the C kernels: it hands an object to a consumer without a bit,
+    releases its own reference, and once another session cleared the proxy bit collects what died
+    and places the next object."""
+    _become_nobody()
+    with Producer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as producer:
+        old = producer.put(np.full(4096, 1, np.uint8))
+        conn.send(old.to_bytes())
+        assert conn.recv() == "leased"
+        producer.release(old, wait=True)  # the daemon's proxy bit is all that holds it now
+        conn.send(old.shm.slot - 1)
+        assert conn.recv() == "cleared"
+        producer._table_client().collect()  # what its background thread does every 100 ms
+        new = producer.put(np.full(4096, 2, np.uint8))
+        conn.send(new.shm.offset == old.shm.offset)
+        assert conn.recv() == "done"
+        producer.release(new, wait=True)
+    conn.recv()
+
+
+def _clear_the_proxy_bit(conn, socket_path: str) -> None:
+    """As uid 65534, a read-only consumer of the same tenant: clear the daemon's proxy bit in a
+    slot's holders (the one word of the table it may write)."""
+    from shmtransport.objtable import PROXY_BIT
+
+    _become_nobody()
+    with Consumer(socket_path, timeout_s=TIMEOUT_S, daemon_uid=0) as consumer:
+        slot = conn.recv()
+        holders = consumer._conn.table.holders
+        assert int(holders[slot]) == 1 << PROXY_BIT, int(holders[slot])
+        holders[slot] &= ~np.uint64(1 << PROXY_BIT)
+        conn.send("cleared")
+        conn.recv()
+
+
+@needs_root
+def test_clearing_the_daemons_proxy_bit_never_frees_bytes_under_its_lease(make_daemon, monkeypatch):
+    """It once could: the daemon's lease for a client without a bit was only bit 62 of the holds,
+    so once a consumer cleared it the producer took the bytes back and put its next object there,
+    under the lease: the pure-Python consumer's view read the new object. Now the daemon also pins
+    the slot, in the slots, which consumers cannot write."""
+    if not objtable.available():
+        pytest.skip("the object table is the C kernels'")
+    daemon = make_daemon(allowed_uids=(0, NOBODY))
+    _open_to_nobody(daemon)
+    with BlockingChild(_produce_after_a_cleared_proxy_bit, daemon.socket_path) as producer, \
+            BlockingChild(_clear_the_proxy_bit, daemon.socket_path) as attacker:
+        monkeypatch.setenv("SHMTRANSPORT_BACKEND", "python")  # the next spawned child's backend
+        with BlockingChild(_lease_without_a_bit, daemon.socket_path) as consumer:
+            consumer.send(producer.recv(timeout_s=60))
+            assert consumer.recv(timeout_s=60) == ("python", 1)
+            producer.send("leased")
+            attacker.send(producer.recv(timeout_s=60))
+            assert attacker.recv(timeout_s=60) == "cleared"
+            producer.send("cleared")
+            same_bytes = producer.recv(timeout_s=60)
+            consumer.send("read again")
+            assert consumer.recv(timeout_s=60) == (1, 1)  # the leased object's bytes, untouched
+            assert not same_bytes
+            producer.send("done")
+            for child in (consumer, producer, attacker):
+                child.send("exit")
+
+
 # -- tenants ------------------------------------------------------------------------------------------
 def _open_to_nobody(daemon) -> None:
     """The test's private socket directory must be traversable by the second tenant."""

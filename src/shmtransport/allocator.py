@@ -108,6 +108,16 @@ class Allocator:
         self._add_free(start, end - start)
         return size
 
+    def split(self, offset: int, piece: int) -> None:
+        """Cut the live allocation at ``offset`` into allocations of ``piece`` bytes each (its
+        reserved size a multiple of ``piece``), each freed on its own from now on."""
+        size = self._live.get(offset)
+        if size is None or piece <= 0 or size % piece:
+            raise InvalidArgument(f"cannot split the allocation at offset {offset} into pieces of {piece} bytes")
+        del self._live[offset]
+        for start in range(offset, offset + size, piece):
+            self._live[start] = piece
+
     # -- internals -------------------------------------------------------------------------------
     def _take(self, ext_off: int, ext_size: int, index: int, start: int, size: int) -> None:
         del self._by_size[index]

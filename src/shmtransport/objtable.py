@@ -36,7 +36,7 @@ PROXY_BIT = 62  # the daemon, holding on behalf of clients without a bit
 HANDOFF_BIT = 63
 HANDOFF = 1 << HANDOFF_BIT
 
-LOANED, COMMITTED, HELD = 1, 2, 3  # slot states
+FREE, LOANED, COMMITTED, HELD = 0, 1, 2, 3  # slot states (FREE: no object; retired)
 # The offset in the slot of a dedicated segment's object (the daemon places those): past any
 # arena, so no handle of the arena matches it.
 OUTSIDE_ARENA = 1 << 62
@@ -62,7 +62,7 @@ def grant_word(grant_id: int, state: int) -> int:
 # hold record's; both are the C header's ``shmt_slot`` and ``shmt_hold`` (tests/test_object_table.py).
 SLOT_DTYPE = np.dtype([
     ("generation", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("state", "<u8"),
-    ("deadline_ns", "<u8"), ("owner", "<u8"), ("grant_state", "<u8"), ("unused", "<u8"),
+    ("deadline_ns", "<u8"), ("owner", "<u8"), ("grant_state", "<u8"), ("daemon_pin", "<u8"),
 ])
 HOLD_DTYPE = np.dtype([("holders", "<u8"), ("unused", "<u8", (7,))])
 assert SLOT_DTYPE.itemsize == HOLD_DTYPE.itemsize == SLOT_NBYTES
@@ -127,6 +127,12 @@ class _CSlots:
         rc = self._lib.shmt_slot_release(self.slots, self.holds, self.nslots, index, generation, bit,
                                          cancel_handoff, out)
         return rc, int(out[0])
+
+    def retire(self, index: int) -> int:
+        return int(self._lib.shmt_slot_retire(self.slots, self.holds, self.nslots, index))
+
+    def pin(self, index: int, pinned: bool) -> int:
+        return int(self._lib.shmt_slot_pin(self.slots, self.nslots, index, pinned))
 
     def expire(self, index: int, now_ns: int) -> tuple[int, bool]:
         out = self._ffi.new("int32_t[1]")
@@ -241,17 +247,22 @@ class ObjectTable:
         self._ok(rc, index)
         return generation
 
-    def reclaim_in(self, space: GrantSpace, index: int) -> None:
-        """The object of the grant ``space`` in ``index`` died: its bytes and slot come back to the
-        grant. StateError while anyone still holds it, or when it is no live object of the grant."""
+    def reclaim_in(self, space: GrantSpace, index: int) -> bool:
+        """The object of the grant ``space`` in ``index`` died: its slot is retired and its bytes
+        and slot come back to the grant. False (nothing comes back) while anyone holds it, a bit
+        was written into its word, or the daemon pins it; StateError when it is no live object of
+        the grant."""
         kernels = self._kernels
         if not isinstance(kernels, _CSlots):
             raise StateError("reclaim_in: this process does not place objects in this table")
-        rc = kernels._lib.shmt_grant_reclaim(space._space, kernels.holds, self.nslots, index)
+        rc = kernels._lib.shmt_grant_reclaim(space._space, kernels.slots, kernels.holds, self.nslots, index)
         if rc == kernels._lib.SHMT_GRANT_NOT_LIVE:
             raise StateError(f"object slot {index}: no live object of this grant")
+        if rc == SlotStatus.ALREADY:
+            return False
         if rc:
             raise_for(self._status(rc), index)
+        return True
 
     def commit(self, index: int, generation: int, bit: int, deadline_ns: int, hold: bool = False) -> None:
         """Seal the loan in slot ``index``: its hand-off window (or hold) ends at ``deadline_ns``."""
@@ -272,6 +283,19 @@ class ObjectTable:
         if rc:
             raise_for(self._status(rc), index)
         return remaining
+
+    def retire(self, index: int) -> bool:
+        """Mark slot ``index`` FREE before its bytes are reused: whether nobody holds it (else its
+        bytes must stay: someone holds it, or a client wrote a bit into its dead word)."""
+        self._require_writable("retire")
+        return self._status(self._kernels.retire(index)) is SlotStatus.OK
+
+    def pin(self, index: int, pinned: bool) -> None:
+        """Daemon: pin slot ``index``'s bytes (before holding its object with the proxy bit) or
+        unpin them (after letting it go). A pinned object's bytes are not reused whatever the holds
+        say: a consumer can clear the proxy bit there, never the pin (it cannot write the slots)."""
+        self._require_writable("pin")
+        self._ok(self._kernels.pin(index, pinned), index)
 
     def expire(self, index: int, now_ns: int) -> bool | None:
         """Drop an ended hand-off window's bit: True when that freed the object, False when others

@@ -14,7 +14,7 @@ import numpy.typing as npt
 EINVAL = -1  # SHMT_EINVAL: an argument outside the table or the bits
 OK, STALE, NOT_COMMITTED, MISMATCH, ALREADY, NOT_HELD, UNKNOWN = range(7)
 _PROXY_BIT, _HANDOFF = 62, 1 << 63
-_LOANED, _COMMITTED, _HELD = 1, 2, 3
+_FREE, _LOANED, _COMMITTED, _HELD = 0, 1, 2, 3
 
 
 class SingleWriterSlots:
@@ -73,6 +73,8 @@ class SingleWriterSlots:
         state = self._field("state", index)
         if state == _LOANED:
             return NOT_COMMITTED
+        if state not in (_COMMITTED, _HELD):
+            return STALE  # retired: its bytes may be another object's now
         if (self._field("offset", index), self._field("nbytes", index)) != (offset, nbytes):
             return MISMATCH
         if held >> bit & 1:
@@ -93,6 +95,23 @@ class SingleWriterSlots:
         held &= ~((1 << bit) | (_HANDOFF if cancel_handoff else 0))
         self.holders[index] = held
         return OK, held
+
+    def retire(self, index: int) -> int:
+        """Mark slot ``index`` FREE when nobody holds it (else ALREADY), before its bytes are reused;
+        ALREADY too when the daemon pins it."""
+        if not 0 <= index < self.nslots:
+            return EINVAL
+        if self._held(index):
+            return ALREADY
+        self._set("state", index, _FREE)
+        return ALREADY if self._field("daemon_pin", index) else OK
+
+    def pin(self, index: int, pinned: bool) -> int:
+        """Set or clear slot ``index``'s daemon pin (its bytes are not reused while set)."""
+        if not 0 <= index < self.nslots:
+            return EINVAL
+        self._set("daemon_pin", index, int(pinned))
+        return OK
 
     def expire(self, index: int, now_ns: int) -> tuple[int, bool]:
         """(status, freed): drop the hand-off bit of a window that ended before ``now_ns``."""

@@ -312,9 +312,8 @@ class TableClient:
         holders = self.table.holders
         freed = 0
         for obj in list(self._released.values()):
-            if holders[obj.slot] == 0:
+            if holders[obj.slot] == 0 and self.table.reclaim_in(obj.grant.space, obj.slot):
                 freed += obj.nbytes
-                self.table.reclaim_in(obj.grant.space, obj.slot)
                 self._forget(obj)
         if time.monotonic() - self._placed_at < IDLE_PARK_S:
             return freed

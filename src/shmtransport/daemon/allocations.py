@@ -129,6 +129,8 @@ class AllocationBook:
         except BaseException:
             for slot, generation in placed:
                 self.table.table.release(slot, generation, PROXY_BIT)
+                # A loan never handed out; a bit a client wrote there meanwhile keeps the slot
+                # (its tenant's loss), never the bytes: nobody can acquire a loan.
                 self.table.unplace(slot)
             raise
         return placed
@@ -249,9 +251,13 @@ class AllocationBook:
                 self.table.table.expire(obj.slot, _FOREVER_NS)
             return
         offset = OUTSIDE_ARENA if obj.segment is not None else obj.key
+        if not obj.placed:  # its producer reuses its bytes once the holds say 0: pinned first
+            self.table.table.pin(obj.slot, True)
         status = self.table.table.acquire(obj.slot, obj.generation, offset, obj.nbytes, PROXY_BIT)
         # ALREADY: a client of the tenant wrote the proxy bit in; from now on it is this lease's.
         if status not in (SlotStatus.OK, SlotStatus.ALREADY):
+            if not obj.placed:
+                self.table.table.pin(obj.slot, False)
             raise_for(status, obj.slot)
         self._lingering.discard(obj.key)
         self._objects.setdefault(obj.key, obj)  # a table producer's object is booked from now on
@@ -482,6 +488,7 @@ class AllocationBook:
         except StateError:  # a client of the tenant cleared the proxy bit: the table says what is left
             remaining = int(self.table.table.holders[obj.slot])
         if not obj.placed:
+            self.table.table.pin(obj.slot, False)
             del self._objects[obj.key]  # a table producer's object: its bytes are its grant's
             return 0
         if remaining:
@@ -491,10 +498,12 @@ class AllocationBook:
 
     def _free(self, obj: Allocation) -> int:
         """An object the daemon placed died: its slot and bytes go back. The bytes freed."""
+        if not self.table.unplace(obj.slot):  # a client wrote a bit into its dead word: wait for it to go
+            self._lingering.add(obj.key)
+            return 0
         del self._objects[obj.key]
         self._lingering.discard(obj.key)
         self._commit_waiters.wake(obj.key)  # an Acquire waiting for this loan's commit fails now, not at its deadline
-        self.table.unplace(obj.slot)
         if obj.segment is not None:
             self.dedicated.freed(obj.segment, obj.nbytes)
             self._bytes_freed(None)

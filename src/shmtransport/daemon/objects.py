@@ -40,6 +40,7 @@ from ..errors import (
 )
 from ..objtable import (
     COMMITTED,
+    FREE,
     GRANT_ACTIVE,
     GRANT_PARKED,
     GRANT_TAKEN,
@@ -77,6 +78,10 @@ class Grant:
     nbytes: int
     first_slot: int
     nslots: int
+    # Once orphaned: its slots not yet retired. Each dead one goes back to the table at once (a
+    # producer that handed off one object and closed keeps one slot, not the grant's); the bytes
+    # go back when the last one does (the daemon knows no object's extent: its producer wrote it).
+    lingering_slots: list[int] | None = None
 
 
 class ClosedHoldings(NamedTuple):
@@ -175,7 +180,7 @@ class ObjectBook:
             self._free_bits.append(bit)
         for grant in self._grants.values():
             if grant.session_id == session_id:
-                grant.session_id = None
+                self._orphan(grant)
         self.reclaim_orphans(release_bytes)
         return ClosedHoldings(held, leases, loans, freed_nbytes)
 
@@ -186,16 +191,15 @@ class ObjectBook:
     # -- grants ----------------------------------------------------------------------------------
     def grant(self, session_id: str, offset: int, nbytes: int, nslots: int) -> pb.GrantResponse:
         """Record a grant of arena bytes [offset, +nbytes) (allocated by the caller) with
-        ``nslots`` slots; ResourceExhausted when the table has no such range left."""
+        ``nslots`` slots, or the longest run of free slots when no such run is free (objects
+        outliving their grants leave the table in runs); ResourceExhausted when none is free."""
         if session_id not in self._bits:
             raise StateError("this session has no holder bit: it loans through the daemon (Loan)")
-        try:
-            first = self._slots.allocate(nslots * SLOT_NBYTES) // SLOT_NBYTES
-        except ResourceExhausted:
-            raise ResourceExhausted(
-                f"object table full: no {nslots} free slots of {self.nslots} (raise --object-slots)",
-                Reason.TABLE_FULL,
-            ) from None
+        nslots = min(nslots, self._slots.largest_free_nbytes // SLOT_NBYTES)
+        if nslots == 0:
+            raise ResourceExhausted(f"object table full: all {self.nslots} slots hold objects (raise --object-slots)",
+                                    Reason.TABLE_FULL)
+        first = self._slots.allocate(nslots * SLOT_NBYTES) // SLOT_NBYTES
         grant = Grant(self._next_grant_id, session_id, offset, nbytes, first, nslots)
         self._next_grant_id += 1
         self.table.set_grant_word(first, grant_word(grant.grant_id, GRANT_ACTIVE))
@@ -214,8 +218,15 @@ class ObjectBook:
                 raise OwnershipError(f"grant {grant_id} is not this session's")
         for grant in grants:
             if grant is not None and grant.session_id == session_id:
-                grant.session_id = None
+                self._orphan(grant)
         self.reclaim_orphans(release_bytes)
+
+    def _orphan(self, grant: Grant) -> None:
+        """The grant's producer is gone, gave it back, or lost it parked: from now on its slots go
+        back to the table one by one as their objects die."""
+        grant.session_id = None
+        self._slots.split(grant.first_slot * SLOT_NBYTES, SLOT_NBYTES)
+        grant.lingering_slots = list(range(grant.first_slot, grant.first_slot + grant.nslots))
 
     # -- objects the daemon places -------------------------------------------------------------
     def place(self, offset: int, nbytes: int) -> tuple[int, int]:
@@ -235,10 +246,15 @@ class ObjectBook:
         self._placed_nbytes[slot] = nbytes
         return slot, generation
 
-    def unplace(self, slot: int) -> None:
-        """An object the daemon placed died (nobody holds it): its slot is free again."""
+    def unplace(self, slot: int) -> bool:
+        """An object the daemon placed died (nobody holds it): its slot is retired and free again.
+        False when a bit appeared in its word (a client wrote it): then nothing is freed, and
+        its bytes must stay too."""
+        if not self.table.retire(slot):
+            return False
         self._placed_nbytes[slot] = 0
         self._slots.free(slot * SLOT_NBYTES)
+        return True
 
     def dead(self, slots: Sequence[int]) -> list[int]:
         """Those of ``slots`` whose object nobody holds any more."""
@@ -267,10 +283,17 @@ class ObjectBook:
         holders = self.table.holders
         freed = 0
         for grant in orphans:
-            if holders[grant.first_slot:grant.first_slot + grant.nslots].any():
+            assert grant.lingering_slots is not None
+            lingering = []
+            for slot in grant.lingering_slots:
+                if holders[slot] == 0 and self.table.retire(slot):
+                    self._slots.free(slot * SLOT_NBYTES)
+                else:
+                    lingering.append(slot)
+            grant.lingering_slots = lingering
+            if lingering:
                 continue
             del self._grants[grant.grant_id]
-            self._slots.free(grant.first_slot * SLOT_NBYTES)
             release_bytes(grant.offset)
             freed += grant.nbytes
         return freed
@@ -286,7 +309,7 @@ class ObjectBook:
                     grant_word(grant.grant_id, GRANT_TAKEN)):
                 # Freed like an orphan, once its objects are dead: a parked grant has none, unless
                 # its producer broke the protocol, and then the bytes wait for those objects.
-                grant.session_id = None
+                self._orphan(grant)
                 taken += 1
         self.counters["parked_grants_taken"] += taken
         return self.reclaim_orphans(release_bytes) if taken else 0
@@ -470,7 +493,7 @@ class ObjectBook:
         return OwnObjects(int(loaned.sum()), int(nbytes[loaned].sum()), int((~loaned).sum()),
                           int(nbytes[~loaned].sum()))
 
-    _STATE_NAMES = {LOANED: "loaned", COMMITTED: "committed", HELD: "held"}
+    _STATE_NAMES = {FREE: "free", LOANED: "loaned", COMMITTED: "committed", HELD: "held"}
 
     def list_objects(self, daemon_side: Mapping[int, DaemonSide]) -> list[pb.ObjectInfo]:
         """Every live object in the table, with its producer's and holders' sessions (one holder
