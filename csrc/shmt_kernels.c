@@ -952,18 +952,6 @@ int32_t shmt_slots_clear_bit(uint8_t *table, uint8_t *holds, uint64_t nslots, ui
     return SHMT_OK;
 }
 
-int32_t shmt_grant_cas(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t expected,
-                       uint64_t desired, uint64_t *observed)
-{
-    shmt_slot *slot = shmt_slot_at(table, nslots, index);
-    if (!slot || !observed) return SHMT_EINVAL;
-    *observed = expected;
-    if (__atomic_compare_exchange_n(&slot->grant_state, observed, desired, 0, __ATOMIC_SEQ_CST,
-                                    __ATOMIC_SEQ_CST))
-        return SHMT_SLOT_OK;
-    return SHMT_SLOT_ALREADY;
-}
-
 /* ---------------------------------------------------------------------------------------------
  * A producer's grant (see the header). After the header, five arrays: the free extents sorted by
  * offset (ext_off/ext_len), the same sorted by (size, offset) (sz_len/sz_off: best fit is the

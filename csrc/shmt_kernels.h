@@ -144,19 +144,11 @@ typedef struct {
     uint64_t state;       /* SHMT_SLOT_FREE / _LOANED / _COMMITTED / _HELD */
     uint64_t deadline_ns; /* CLOCK_MONOTONIC end of the hand-off window (or of the hold) */
     uint64_t owner;       /* session bit of the producer that loaned it */
-    uint64_t grant_state; /* in a grant's first slot: that grant's state word (below) */
+    uint64_t unused;
     uint64_t daemon_pin;  /* 1 while the daemon holds the object for clients without a bit: its bytes
                            * are not reused, whatever a consumer writes into the holds (only the
                            * daemon writes it; consumers cannot write the slots) */
 } shmt_slot;
-
-/* A grant's state word, (grant id << 2) | SHMT_GRANT_*: the producer parks an empty grant it
- * keeps (ACTIVE -> PARKED) and takes it back before placing in it (PARKED -> ACTIVE); the daemon
- * takes a parked grant for another producer (PARKED -> TAKEN). The id tag keeps a producer's
- * stale word from matching a later grant of the same slots. The object kernels never touch it. */
-#define SHMT_GRANT_ACTIVE 0
-#define SHMT_GRANT_PARKED 1
-#define SHMT_GRANT_TAKEN 2
 
 /* Put a new object in a free slot (holders == 0): generation = old + 1, held by `bit` (its owner:
  * a session's bit, or the proxy bit for an object the daemon places for a client). */
@@ -166,9 +158,9 @@ int32_t shmt_slot_publish(uint8_t *table, uint8_t *holds, uint64_t nslots, uint6
 int32_t shmt_slot_commit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                          uint32_t bit, uint64_t deadline_ns, int32_t hold);
 /* Add `bit` to a live committed object (COMMITTED or HELD; a retired one is STALE) of this
- * generation, offset and size; then drop the
- * hand-off bit unless the object is HELD. SHMT_SLOT_ALREADY when `bit` held that very object
- * already (another lease of the same client); any other refusal leaves the holders as they were. */
+ * generation, offset and size; then drop the hand-off bit unless the object is HELD.
+ * SHMT_SLOT_ALREADY when `bit` held that very object already (another lease of the same client);
+ * any other refusal leaves the holders as they were. */
 int32_t shmt_slot_acquire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t index, uint64_t generation,
                           uint64_t offset, uint64_t nbytes, uint32_t bit);
 /* Drop `bit` (and the hand-off bit too when `cancel_handoff`); *remaining = holders after. */
@@ -190,10 +182,6 @@ int32_t shmt_slot_expire(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64
  * out[1] = objects that left alive with nobody, out[2] = their bytes. */
 int32_t shmt_slots_clear_bit(uint8_t *table, uint8_t *holds, uint64_t nslots, uint64_t first, uint64_t last,
                              uint32_t bit, uint64_t *out, uint64_t out_len);
-/* Compare-and-swap slot `index`'s grant state word: SHMT_SLOT_OK when it was `expected` (now
- * `desired`), SHMT_SLOT_ALREADY when it was something else (*observed = what it was). */
-int32_t shmt_grant_cas(uint8_t *table, uint64_t nslots, uint64_t index, uint64_t expected,
-                       uint64_t desired, uint64_t *observed);
 
 /* ---------------------------------------------------------------------------------------------
  * A producer's grant, placed in by one native call: its free bytes (best fit, the very policy of

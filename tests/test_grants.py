@@ -1,14 +1,11 @@
-"""Space granted to producers for the object table: kept while busy, parked once idle, and taken
-back by the daemon when another producer needs it, so space one producer holds idle is never
-space the others wait for. (Grants need the C kernels; without them loans go through the daemon.)
+"""Space granted to producers for the object table: kept while busy, given back once idle (so space
+one producer holds idle is never space the others wait for), and never taken by the daemon on
+the strength of a word a client wrote. (Grants need the C kernels; without them loans go through
+the daemon.)
 """
 from __future__ import annotations
 
-import mmap
-import os
-import socket
 import threading
-import urllib.request
 
 import numpy as np
 import pytest
@@ -16,8 +13,7 @@ import pytest
 from shmtransport import objtable
 from shmtransport.client import Producer
 from shmtransport.errors import Reason, ResourceExhausted
-from shmtransport.objtable import GRANT_ACTIVE, GRANT_PARKED, GRANT_TAKEN, ObjectTable, grant_word
-from shmtransport.testing import wait_until
+from shmtransport.testing import BlockingChild, wait_until
 
 pytestmark = pytest.mark.skipif(not objtable.available(), reason="grants need the C kernels")
 
@@ -25,68 +21,81 @@ MiB = 1 << 20
 TIMEOUT_S = 30
 
 
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(f'{name}{{tenant="uid:{os.geteuid()}"}} '):
-                return float(line.rpartition(" ")[2])
-    raise KeyError(name)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _parked_all(daemon) -> bool:
+def _given_back(daemon) -> bool:
     s = daemon.stat()
-    return s.used_nbytes == 0 and s.granted_nbytes > 0 and s.parked_nbytes == s.granted_nbytes
+    return s.used_nbytes == s.granted_nbytes == 0 and s.free_nbytes == s.arena.nbytes
 
 
-def test_an_idle_producers_grant_is_parked_and_reused_without_a_new_grant(make_daemon):
+def test_a_busy_producer_keeps_its_empty_grant_and_gives_it_back_once_idle(make_daemon):
     daemon = make_daemon(arena_nbytes=8 * MiB)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
+        calls: list[str] = []
+        real_call = producer._conn.call
+        producer._conn.call = lambda method, request, reconnect=True: (
+            calls.append(method), real_call(method, request, reconnect))[1]
         producer.release(producer.put(np.ones(MiB, np.uint8)))
-        wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the emptied grant parked")
-        granted = daemon.stat().granted_nbytes
-        handle = producer.put(np.ones(MiB, np.uint8))  # taken back from parking: no new grant
-        s = daemon.stat()
-        assert (s.granted_nbytes, s.parked_nbytes, s.parked_grants_taken) == (granted, 0, 0)
-        producer.release(handle)
+        producer.release(producer.put(np.ones(MiB, np.uint8)))  # the same grant: no new one
+        assert calls.count("Grant") == 1 and daemon.stat().granted_nbytes > 0
+        wait_until(lambda: _given_back(daemon), timeout_s=5, what="the idle producer's grant given back")
+        producer.release(producer.put(np.ones(MiB, np.uint8)))  # a fresh grant after idleness
+        assert calls.count("Grant") >= 2
 
 
 @pytest.mark.parametrize("nbytes", [64 * 1024, 3 * MiB], ids=["standard-grant", "large-grant"])
-def test_the_daemon_takes_a_parked_grant_for_a_producer_that_needs_the_space(make_daemon, nbytes):
-    port = _free_port()
-    daemon = make_daemon(arena_nbytes=4 * MiB, metrics_port=port)
+def test_another_producer_gets_the_space_an_idle_producer_gave_back(make_daemon, nbytes):
+    daemon = make_daemon(arena_nbytes=4 * MiB)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as idle, \
             Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as busy:
         idle.release(idle.put(np.ones(nbytes, np.uint8)))
-        wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the idle producer's grant parked")
-        assert _metric(port, "shmtransport_parked_nbytes") == daemon.stat().parked_nbytes > 0
-        # The whole arena, at once (no waiting for the idle producer to give anything back).
-        loan = busy.loan(4 * MiB)
-        assert daemon.stat().parked_grants_taken == 1
-        assert _metric(port, "shmtransport_parked_grants_taken_total") == 1
+        wait_until(lambda: _given_back(daemon), timeout_s=5, what="the idle producer's grant given back")
+        loan = busy.loan(4 * MiB)  # the whole arena, at once
         loan.release()
         busy.flush()
-        # The idle producer finds its grant gone and gets a fresh one, from the busy one's parked.
-        wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the busy producer's grant parked")
+        wait_until(lambda: _given_back(daemon), timeout_s=5, what="the busy producer's grant given back")
         data = np.arange(nbytes, dtype=np.uint8)
         handle = idle.put(data)
-        assert daemon.stat().parked_grants_taken == 2
         idle.release(handle)
 
 
-def test_a_parked_grant_goes_back_at_close_and_the_arena_is_whole_again(make_daemon):
+def test_grants_go_back_at_close_and_the_arena_is_whole_again(make_daemon):
     daemon = make_daemon(arena_nbytes=8 * MiB)
     producer = Producer(daemon.socket_path, timeout_s=TIMEOUT_S)
     producer.release(producer.put(np.ones(MiB, np.uint8)))
-    wait_until(lambda: _parked_all(daemon), timeout_s=5, what="the grant parked")
     producer.close()
-    s = daemon.stat()
-    assert (s.granted_nbytes, s.parked_nbytes, s.free_nbytes) == (0, 0, s.arena.nbytes)
+    assert _given_back(daemon)
+
+
+def _write_into_slots(conn, socket_path: str) -> None:
+    """A producer session of the same tenant (it may write the slots): on request, write a word
+    into a slot's seventh field (a grant's state word, when grants had one)."""
+    with Producer(socket_path, timeout_s=TIMEOUT_S) as producer:
+        conn.send("ready")
+        slot, word = conn.recv()
+        columns = producer._conn.table.columns
+        columns[columns.dtype.names[6]][slot] = np.uint64(word)
+        conn.send("written")
+        conn.recv()
+
+
+def test_a_word_another_producer_writes_into_a_grant_makes_the_daemon_take_nothing(make_daemon):
+    """It once could: a producer rewrote another's grant word to PARKED, and the daemon gave that
+    busy grant's bytes to a third producer while its owner went on placing objects there. Now the
+    daemon takes a grant only when its producer gives it back (a Grant call) or its session ends."""
+    daemon = make_daemon(arena_nbytes=4 * MiB)
+    with BlockingChild(_write_into_slots, daemon.socket_path) as attacker, \
+            Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as owner, \
+            Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as other:
+        assert attacker.recv(timeout_s=60) == "ready"
+        first = owner.put(np.ones(4096, np.uint8))
+        grant_id = owner._table_client()._grants[0].grant_id
+        owner.release(first)  # its grant is empty now, and still its own
+        attacker.send((first.shm.slot - 1, grant_id << 2 | 1))  # the old (id, PARKED) word
+        assert attacker.recv(timeout_s=60) == "written"
+        with pytest.raises(ResourceExhausted) as refused:
+            other.loan(4 * MiB)  # needs the owner's grant
+        assert refused.value.reason is Reason.ARENA_FULL
+        owner.release(owner.put(np.arange(4096, dtype=np.uint8)))  # in its own grant, as before
+        attacker.send("exit")
 
 
 def test_a_full_table_is_back_pressure_then_a_typed_error(make_daemon):
@@ -130,67 +139,6 @@ def test_many_tiny_objects_get_denser_grants_instead_of_filling_the_arena_with_e
         assert s.granted_nbytes < 16 * MiB  # dense grants: most of the arena was never granted
         producer.release(handles)
     wait_until(lambda: daemon.stat().live_objects == 0, what="every object freed")
-
-
-# -- the grant word itself ------------------------------------------------------------------------
-def _table(nslots: int = 64) -> tuple[mmap.mmap, ObjectTable]:
-    """One anonymous mapping holding the slots, then the holds."""
-    nbytes = objtable.table_nbytes(nslots)
-    memory = mmap.mmap(-1, 2 * nbytes)
-    return memory, ObjectTable(memoryview(memory)[:nbytes], memoryview(memory)[nbytes:], nslots)
-
-
-def test_a_stale_grant_word_never_matches_a_later_grant_of_the_same_slots():
-    memory, table = _table()
-    try:
-        table.set_grant_word(0, grant_word(7, GRANT_ACTIVE))
-        assert table.grant_cas(0, grant_word(7, GRANT_ACTIVE), grant_word(7, GRANT_PARKED))
-        assert table.grant_cas(0, grant_word(7, GRANT_PARKED), grant_word(7, GRANT_TAKEN))  # the daemon
-        table.set_grant_word(0, grant_word(8, GRANT_ACTIVE))  # the slots' next grant, parked by its producer
-        assert table.grant_cas(0, grant_word(8, GRANT_ACTIVE), grant_word(8, GRANT_PARKED))
-        # Grant 7's producer, late, tries to take its grant back: refused, grant 8 is untouched.
-        assert not table.grant_cas(0, grant_word(7, GRANT_PARKED), grant_word(7, GRANT_ACTIVE))
-        assert int(table.columns["grant_state"][0]) == grant_word(8, GRANT_PARKED)
-        # The object kernels leave the word alone.
-        generation = table.publish(0, 0, 4096, 1)
-        table.release(0, generation, 1)
-        assert int(table.columns["grant_state"][0]) == grant_word(8, GRANT_PARKED)
-    finally:
-        table.close()
-        memory.close()
-
-
-def test_a_producer_unparking_and_the_daemon_taking_never_both_win():
-    """One thread parks and unparks as a producer does, another takes as the daemon does: once
-    the daemon won, the producer's next unpark fails, and before that every unpark won."""
-    memory, table = _table()
-    parked, active, taken = (grant_word(3, s) for s in (GRANT_PARKED, GRANT_ACTIVE, GRANT_TAKEN))
-    table.set_grant_word(0, active)
-    stop = threading.Event()
-    producer_lost = threading.Event()
-    broken: list[str] = []
-
-    def producer() -> None:
-        while not stop.is_set():
-            if not table.grant_cas(0, active, parked):  # only the producer leaves ACTIVE
-                broken.append("park from ACTIVE failed")
-                return
-            if not table.grant_cas(0, parked, active):
-                producer_lost.set()
-                return
-
-    thread = threading.Thread(target=producer)
-    thread.start()
-    try:
-        wait_until(lambda: table.grant_cas(0, parked, taken), timeout_s=10, interval_s=0, what="the daemon's take")
-        thread.join(10)
-        assert not broken
-        assert producer_lost.is_set() and int(table.columns["grant_state"][0]) == taken
-    finally:
-        stop.set()
-        thread.join(10)
-        table.close()
-        memory.close()
 
 
 def test_a_placement_never_reaches_the_daemon_before_the_grant_returns_it_depends_on(make_daemon, monkeypatch):

@@ -259,7 +259,7 @@ def test_the_table_layout_is_the_c_headers():
         for name in dtype.names:
             assert ffi.offsetof(ctype, name) == dtype.fields[name][1], (ctype, name)
     assert list(objtable.SLOT_DTYPE.names) == [
-        "generation", "offset", "nbytes", "state", "deadline_ns", "owner", "grant_state", "daemon_pin"]
+        "generation", "offset", "nbytes", "state", "deadline_ns", "owner", "unused", "daemon_pin"]
 
 
 @needs_c
@@ -282,7 +282,7 @@ def test_a_consumer_acquires_and_releases_through_read_only_slots_and_cannot_cha
         assert int(consumer.holders[1]) == 0b11 and int(consumer.columns["generation"][1]) == generation
         assert consumer.release(1, generation, 1) == 0b1
         for attempt in (lambda: consumer.publish(2, 0, 64, 1), lambda: consumer.commit(1, generation, 1, 0),
-                        lambda: consumer.grant_cas(0, 0, 1)):
+                        lambda: consumer.pin(1, True), lambda: consumer.retire(2)):
             with pytest.raises(StateError, match="read-only"):
                 attempt()
         with pytest.raises(ValueError):

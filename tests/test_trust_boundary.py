@@ -214,13 +214,13 @@ def test_no_fd_a_client_is_handed_can_resize_the_segments_the_daemon_and_others_
         producer.release(handle, wait=True)
 
 
-def _rewrite_slots_as_a_consumer(conn, socket_path: str, grant_slot: int, free_slot: int) -> None:
-    """As uid 65534, a read-only consumer of its tenant: try to write the object table's slots (a
-    busy producer's grant word to PARKED, a free slot's generation back) through every route its
-    handshake opened: the fd, a writable mapping of it, the fd reopened for writing."""
+def _rewrite_slots_as_a_consumer(conn, socket_path: str, pin_slot: int, free_slot: int) -> None:
+    """As uid 65534, a read-only consumer of its tenant: try to write the object table's slots (the
+    daemon's pin, a free slot's generation back) through every route its handshake opened: the fd,
+    a writable mapping of it, the fd reopened for writing."""
     import mmap
 
-    from shmtransport.objtable import GRANT_PARKED, SLOT_DTYPE, SLOT_NBYTES
+    from shmtransport.objtable import SLOT_DTYPE, SLOT_NBYTES
 
     _become_nobody()
     kept = _keep_handed_fds()
@@ -231,10 +231,10 @@ def _rewrite_slots_as_a_consumer(conn, socket_path: str, grant_slot: int, free_s
         (fd,) = slots
         table = consumer._conn.table
         out["table_read_only"] = table is not None and not table.writable
-        grant = grant_slot * SLOT_NBYTES + SLOT_DTYPE.fields["grant_state"][1]
+        pin = pin_slot * SLOT_NBYTES + SLOT_DTYPE.fields["daemon_pin"][1]
         generation = free_slot * SLOT_NBYTES + SLOT_DTYPE.fields["generation"][1]
         attacks = {
-            "pwrite_grant": lambda: os.pwrite(fd, (GRANT_PARKED).to_bytes(8, "little"), grant),
+            "pwrite_pin": lambda: os.pwrite(fd, (1).to_bytes(8, "little"), pin),
             "pwrite_generation": lambda: os.pwrite(fd, (0).to_bytes(8, "little"), generation),
             "map_writable": lambda: mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
             "reopen": lambda: os.open(f"/proc/self/fd/{fd}", os.O_RDWR),
@@ -253,7 +253,8 @@ def _rewrite_slots_as_a_consumer(conn, socket_path: str, grant_slot: int, free_s
 @needs_root
 def test_a_read_only_consumer_cannot_change_what_anyone_reads(make_daemon):
     """It once could park a busy producer's grant (the daemon then gave its bytes to another
-    producer) or rewind a free slot's generation (a stale handle then acquired a newer object)."""
+    producer) or rewind a free slot's generation (a stale handle then acquired a newer object);
+    the daemon's pin lives in the slots for the same reason."""
     if not objtable.available():
         pytest.skip("the object table is the C kernels'")
     daemon = make_daemon(allowed_uids=(0, NOBODY))
@@ -261,7 +262,7 @@ def test_a_read_only_consumer_cannot_change_what_anyone_reads(make_daemon):
     with BlockingChild(_rewrite_slots_as_a_consumer, daemon.socket_path, 0, 5) as child:
         out = child.recv(timeout_s=60)
         child.send("exit")
-    assert out == {"slots_fds": 1, "table_read_only": True, "pwrite_grant": "refused",
+    assert out == {"slots_fds": 1, "table_read_only": True, "pwrite_pin": "refused",
                    "pwrite_generation": "refused", "map_writable": "refused", "reopen": "refused",
                    "numpy": "refused"}, out
 
@@ -1054,18 +1055,19 @@ def test_a_forged_owner_word_costs_no_work_and_stalls_no_other_tenants_handshake
 
 
 def _forge_holds(conn, socket_path: str) -> None:
-    """Hand off three objects and pin each with a hold nobody may have, written into the table:
+    """Hand off four objects and pin each with a hold nobody may have, written into the table:
     the bit of no session, the daemon's proxy bit without a proxied lease, a hand-off deadline an
-    hour away. Then go, like every other client of the tenant."""
+    hour away, the daemon's pin. Then go, like every other client of the tenant."""
     from shmtransport.objtable import PROXY_BIT
 
     with Producer(socket_path, timeout_s=TIMEOUT_S) as producer:
-        stray, proxy, far = producer.put_many([np.ones(4096, np.uint8)] * 3)
+        stray, proxy, far, pinned = producer.put_many([np.ones(4096, np.uint8)] * 4)
         cols = producer._conn.table.columns
         holders = producer._conn.table.holders
         holders[stray.shm.slot - 1] |= np.uint64(1 << 40)
         holders[proxy.shm.slot - 1] |= np.uint64(1 << PROXY_BIT)
         cols["deadline_ns"][far.shm.slot - 1] = np.uint64(time.monotonic_ns() + 3600 * 10**9)
+        cols["daemon_pin"][pinned.shm.slot - 1] = 1
     conn.send("forged")
     conn.recv()
 
@@ -1077,8 +1079,8 @@ def test_holds_a_client_forged_do_not_outlive_it_and_the_tenant_returns_to_empty
     with BlockingChild(_forge_holds, daemon.socket_path) as child:
         assert child.recv(timeout_s=60) == "forged"
         child.send("exit")
-    wait_until(lambda: (s := daemon.stat()).live_objects == 0 and s.used_nbytes == 0 and not s.clients,
-               timeout_s=10, what="every forged hold dropped and every object freed")
+    wait_until(lambda: (s := daemon.stat()).live_objects == 0 and s.used_nbytes == s.granted_nbytes == 0
+               and not s.clients, timeout_s=10, what="every forged hold dropped and every object and grant freed")
 
 
 # -- planted files ------------------------------------------------------------------------------------

@@ -247,9 +247,8 @@ def _run_stat(args: argparse.Namespace) -> int:
     print(f"arena           {s.arena.nbytes / mib:.1f} MiB")
     print(f"used / free     {s.used_nbytes / mib:.1f} MiB / {s.free_nbytes / mib:.1f} MiB")
     print(f"largest free    {s.largest_free_nbytes / mib:.1f} MiB in {s.free_extents} extent(s)")
-    print(f"granted         {s.granted_nbytes / mib:.1f} MiB to producers (placed in shared memory), "
-          f"{s.parked_nbytes / mib:.1f} MiB of it parked by idle producers ({_plural(s.parked_grants_taken, 'grant')} "
-          "taken back)")
+    print(f"granted         {s.granted_nbytes / mib:.1f} MiB to producers (placed in shared memory; "
+          "idle producers give theirs back)")
     print(f"objects/leases  {s.live_objects} / {s.live_leases} ({_plural(s.handoff_objects, 'object')} waiting for a "
           "first acquire)")
     print(f"allocations     {s.allocations_total} total, {s.allocations_per_s:.1f}/s, {s.allocation_failures} refused")

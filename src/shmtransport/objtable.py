@@ -1,7 +1,7 @@
 """The object table: the lifetime of every object in shared memory, in two segments.
 
 The **slots** (64 bytes each) say what an object is: generation, offset, size, state, hand-off
-deadline, owner, and a grant's state word. Producers and the daemon write them; consumers map
+deadline, owner, and the daemon's pin. Producers and the daemon write them; consumers map
 them read-only, so a consumer cannot change what anyone reads. The **holds** give each slot one
 ``holders`` word on a cache line of its own, the word every party changes, only with atomic
 read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is a publish
@@ -40,7 +40,6 @@ FREE, LOANED, COMMITTED, HELD = 0, 1, 2, 3  # slot states (FREE: no object; reti
 # The offset in the slot of a dedicated segment's object (the daemon places those): past any
 # arena, so no handle of the arena matches it.
 OUTSIDE_ARENA = 1 << 62
-GRANT_ACTIVE, GRANT_PARKED, GRANT_TAKEN = 0, 1, 2  # a grant's state, in its first slot's grant_state
 
 
 def slot_index(wire_slot: int) -> int:
@@ -54,15 +53,11 @@ def wire_slot(index: int) -> int:
     return index + 1
 
 
-def grant_word(grant_id: int, state: int) -> int:
-    """A grant's state word: tagged with its id, so a stale word never matches a later grant."""
-    return grant_id << 2 | state
-
 # A slot's fields, as the numpy view of ``columns`` names them (little-endian u64 each), and a
 # hold record's; both are the C header's ``shmt_slot`` and ``shmt_hold`` (tests/test_object_table.py).
 SLOT_DTYPE = np.dtype([
     ("generation", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("state", "<u8"),
-    ("deadline_ns", "<u8"), ("owner", "<u8"), ("grant_state", "<u8"), ("daemon_pin", "<u8"),
+    ("deadline_ns", "<u8"), ("owner", "<u8"), ("unused", "<u8"), ("daemon_pin", "<u8"),
 ])
 HOLD_DTYPE = np.dtype([("holders", "<u8"), ("unused", "<u8", (7,))])
 assert SLOT_DTYPE.itemsize == HOLD_DTYPE.itemsize == SLOT_NBYTES
@@ -144,10 +139,6 @@ class _CSlots:
         rc = self._lib.shmt_slots_clear_bit(self.slots, self.holds, self.nslots, first, last, bit, out, 3)
         return rc, int(out[0]), int(out[1]), int(out[2])
 
-    def grant_cas(self, index: int, expected: int, desired: int) -> tuple[int, int]:
-        out = self._ffi.new("uint64_t[1]")
-        rc = self._lib.shmt_grant_cas(self.slots, self.nslots, index, expected, desired, out)
-        return rc, int(out[0])
 
 
 class GrantSpace:
@@ -310,18 +301,6 @@ class ObjectTable:
         if rc != 0:
             raise InvalidArgument(f"clear_bit({bit}, {first}, {last}) outside a table of {self.nslots} slots")
         return held, died, died_nbytes
-
-    def grant_cas(self, index: int, expected: int, desired: int) -> bool:
-        """Swap slot ``index``'s grant state word from ``expected`` to ``desired``; whether it was
-        ``expected``."""
-        self._require_writable("grant_cas")
-        rc, _observed = self._kernels.grant_cas(index, expected, desired)
-        return self._status(rc) is SlotStatus.OK
-
-    def set_grant_word(self, index: int, word: int) -> None:
-        """Daemon: the word of a new grant, whatever its slots' last grant left there."""
-        while not self.grant_cas(index, int(self.columns["grant_state"][index]), word):
-            pass  # only a stale producer's failing CAS can interleave, and it changes nothing
 
     def close(self) -> None:
         """Drop this table's references to the mappings (so they can be unmapped); it has no slots

@@ -136,13 +136,3 @@ class SingleWriterSlots:
         words[held] &= ~mask
         sizes = self.columns["nbytes"][first:last][died]
         return OK, int(held.sum()), int(died.sum()), sum(int(n) for n in sizes)
-
-    def grant_cas(self, index: int, expected: int, desired: int) -> tuple[int, int]:
-        """(status, observed): swap slot ``index``'s grant word from ``expected`` to ``desired``."""
-        if not 0 <= index < self.nslots:
-            return EINVAL, 0
-        observed = self._field("grant_state", index)
-        if observed != expected:
-            return ALREADY, observed
-        self._set("grant_state", index, desired)
-        return OK, expected

@@ -36,7 +36,7 @@ class _Client:
 
     _writable = False
     MAX_QUEUED_RELEASES = 256
-    GRANT_RETURN_DELAY_S = 0.1  # how often a producer with grants looks for ones to park or give back
+    GRANT_RETURN_DELAY_S = 0.1  # how often a producer with grants looks for ones to give back
 
     def __init__(self, socket_path: str | None = None, *, timeout_s: float = 10.0, release_delay_s: float = 0.02,
                  daemon_uid: int | None = None) -> None:
@@ -319,12 +319,12 @@ class _Client:
                 self._schedule_flush()  # grants whose last objects are still held: look again later
 
     def _surplus_grants(self) -> TableClient | None:
-        """This session's object-table client, when it has grants to park or give back."""
+        """This session's object-table client, when it has grants to give back (or may soon)."""
         tables = self._tables
         return tables if self._live_table(tables) and tables.has_surplus else None
 
     def _return_grants(self) -> None:
-        """Collect dead objects, park idle grants, give back the grants queued for return
+        """Collect dead objects, give back the grants queued for return (idle ones included)
         (background). The return is sent under the lock: a placement's Grant must not reach the
         daemon before the returns it took out of the queue (it would find their space taken)."""
         with self._lock:

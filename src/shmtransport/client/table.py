@@ -6,10 +6,10 @@ grant's slots). An object's bytes come back to the producer when its slot's hold
 whoever dropped the last hold: the producer notices that lazily (``collect``), when it needs
 space. Grants it no longer needs go back to the daemon, which frees them once every object in
 them died; so do all of them when the session ends, which is what lets a handed-off object
-outlive its producer. An empty grant a producer keeps for later is parked once the producer is
-idle: the daemon may then take it back for another producer (a compare-and-swap on the grant's
-state word), and the producer takes it back the same way before it places in it again. Space a
-producer holds idle is so never space the others wait for.
+outlive its producer. A busy producer keeps its empty grants for its next objects; once it is
+idle it gives them back (through the daemon's Grant call, so the daemon acts only on what it was
+told, never on a word in the table). Space a producer holds idle is so never space the others
+wait for.
 
 A consumer holds an object with its session's bit; several leases on one object in one client
 share the bit (counted here), so the last of them clears it. (A client is a producer or a
@@ -26,13 +26,10 @@ from ..allocator import PAGE
 from ..arena import ArenaMapping
 from ..errors import InvalidArgument, Reason, ResourceExhausted, StateError
 from ..objtable import (
-    GRANT_ACTIVE,
-    GRANT_PARKED,
     PROXY_BIT,
     GrantSpace,
     ObjectTable,
     SlotStatus,
-    grant_word,
     raise_for,
     status_of,
 )
@@ -58,9 +55,9 @@ MIN_GRANT_NBYTES = 64 * 1024
 MAX_GRANT_NBYTES = 16 << 20
 GRANT_ARENA_FRACTION = 64  # a standard grant is this fraction of the arena (within the bounds above)
 # A busy producer keeps its empty grants (as many as its peak of bytes in flight: a new grant
-# costs a round trip); once idle this long it parks them, so the daemon can hand their space to
-# other producers.
-IDLE_PARK_S = 0.5
+# costs a round trip); once idle this long it gives them back, so other producers can have their
+# space.
+IDLE_GIVE_BACK_S = 0.5
 
 GrantCall = Callable[[int, int, list[int], int, bool], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms, retry)
 # A producer waiting for space looks at its own grants again after waits growing from the first to
@@ -77,9 +74,7 @@ class _Grant:
     offset: int
     nbytes: int
     space: GrantSpace  # its free bytes and free slots
-    first_slot: int  # holds the grant's state word
     large: bool  # made for an object larger than a standard grant: holds one object at a time
-    parked: bool = False  # empty, and the daemon may take it
 
 
 @dataclasses.dataclass(slots=True)
@@ -204,12 +199,6 @@ class TableClient:
                 continue
             if grant.large and (not space.empty or 2 * nbytes <= grant.nbytes):
                 continue  # one object at a time, and not one that would leave most of it idle
-            if grant.parked:
-                if space.largest_free_nbytes < nbytes:
-                    continue  # left parked: it could not take this object anyway
-                if not self._unpark(grant):
-                    # the daemon took it (now dropped from the list): look again
-                    return self._try_place(nbytes, dtype, shape)
             # (it says when the grant has no room)
             placed = self.lane.place(space.address, nbytes, nbytes, dtype, shape)
             if placed is None:
@@ -245,24 +234,7 @@ class TableClient:
             response = self._grant_rpc(size, MIN_GRANT_SLOTS, [], wait_ms, retry)
         _step("t_after_grant")
         space = GrantSpace(response.offset, response.nbytes, response.first_slot, response.nslots)
-        self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes, space, response.first_slot,
-                                   oversized))
-
-    def _park(self, grant: _Grant) -> None:
-        # Only the daemon's PARKED -> TAKEN competes, so from ACTIVE this cannot fail.
-        self.table.grant_cas(grant.first_slot, grant_word(grant.grant_id, GRANT_ACTIVE),
-                             grant_word(grant.grant_id, GRANT_PARKED))
-        grant.parked = True
-
-    def _unpark(self, grant: _Grant) -> bool:
-        """Take a parked grant back before placing in it; False (and the grant forgotten) when
-        the daemon took it first."""
-        if self.table.grant_cas(grant.first_slot, grant_word(grant.grant_id, GRANT_PARKED),
-                                grant_word(grant.grant_id, GRANT_ACTIVE)):
-            grant.parked = False
-            return True
-        self._grants.remove(grant)
-        return False
+        self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes, space, oversized))
 
     def commit(self, obj: Placed, hold_ms: int = 0) -> None:
         """Make ``obj`` readable, held for ``hold_ms`` (0: the hand-off window, which the first
@@ -307,32 +279,24 @@ class TableClient:
             self._released[obj.slot] = obj
 
     def collect(self) -> int:
-        """Take back the bytes of every placed object that died; once idle, park the empty
-        grants. The bytes reclaimed."""
+        """Take back the bytes of every placed object that died; once idle, queue the empty
+        grants for return. The bytes reclaimed."""
         holders = self.table.holders
         freed = 0
         for obj in list(self._released.values()):
             if holders[obj.slot] == 0 and self.table.reclaim_in(obj.grant.space, obj.slot):
                 freed += obj.nbytes
                 self._forget(obj)
-        if time.monotonic() - self._placed_at < IDLE_PARK_S:
-            return freed
-        for grant in self._grants:
-            if grant.space.empty and not grant.parked:
-                self._park(grant)
+        if time.monotonic() - self._placed_at >= IDLE_GIVE_BACK_S:
+            self._give_back_empty()
         return freed
 
     @property
     def has_surplus(self) -> bool:
         """Whether ``collect`` may have work, now or once this producer is idle (its owner then
-        collects in the background): grants to give back, objects others still hold, grants to
-        park."""
-        if self.give_back or self._released:
-            return True
-        for grant in self._grants:
-            if not grant.parked:
-                return True
-        return False
+        collects in the background): grants to give back, objects others still hold, empty
+        grants."""
+        return bool(self.give_back or self._released) or any(grant.space.empty for grant in self._grants)
 
     def _forget(self, obj: Placed) -> None:
         """``obj`` died and its grant has its bytes and slot back (reused first in, first out: a

@@ -4,8 +4,9 @@ Clients with the C kernels loan, commit, acquire and release arena objects in th
 (``shmtransport.objtable``). The daemon
 - gives each live session one holder bit (62 per tenant; later sessions go through the daemon);
 - grants producers space in large pieces: an arena byte range plus a range of slots, in which
-  the producer places objects itself (``Grant``); a producer parks an empty grant it keeps, and
-  the daemon takes parked grants back when another producer needs the space;
+  the producer places objects itself (``Grant``); a grant is its producer's until the producer
+  gives it back (an idle producer does) or its session ends: the daemon acts on what it was told
+  and recorded, never on a word a client wrote;
 - places objects itself, one slot each, for clients that cannot (``place``: the pure-Python
   backend, sessions without a bit, the remote tier, dedicated segments), held with its proxy bit
   while ``allocations.AllocationBook`` books a reference to them;
@@ -41,9 +42,6 @@ from ..errors import (
 from ..objtable import (
     COMMITTED,
     FREE,
-    GRANT_ACTIVE,
-    GRANT_PARKED,
-    GRANT_TAKEN,
     HANDOFF,
     HANDOFF_BIT,
     HELD,
@@ -53,7 +51,6 @@ from ..objtable import (
     SLOT_NBYTES,
     ObjectTable,
     available,
-    grant_word,
     slot_index,
     wire_slot,
 )
@@ -142,8 +139,7 @@ class ObjectBook:
         # The size of each object the daemon placed (0: a slot it did not place), as it knows it:
         # a producer of the tenant can rewrite the slot's own word.
         self._placed_nbytes = np.zeros(nslots, dtype=np.uint64)
-        self.counters = {"reclaimed_handoff_objects": 0, "reclaimed_handoff_nbytes": 0,
-                         "grants_total": 0, "parked_grants_taken": 0}
+        self.counters = {"reclaimed_handoff_objects": 0, "reclaimed_handoff_nbytes": 0, "grants_total": 0}
         self._allocation_samples: collections.deque[tuple[float, int]] = collections.deque()
         self._next_handoff_scan = self._next_rate_sample = 0.0
 
@@ -202,7 +198,6 @@ class ObjectBook:
         first = self._slots.allocate(nslots * SLOT_NBYTES) // SLOT_NBYTES
         grant = Grant(self._next_grant_id, session_id, offset, nbytes, first, nslots)
         self._next_grant_id += 1
-        self.table.set_grant_word(first, grant_word(grant.grant_id, GRANT_ACTIVE))
         self._grants[grant.grant_id] = grant
         self.counters["grants_total"] += 1
         return pb.GrantResponse(grant_id=grant.grant_id, offset=offset, nbytes=nbytes,
@@ -222,8 +217,8 @@ class ObjectBook:
         self.reclaim_orphans(release_bytes)
 
     def _orphan(self, grant: Grant) -> None:
-        """The grant's producer is gone, gave it back, or lost it parked: from now on its slots go
-        back to the table one by one as their objects die."""
+        """The grant's producer is gone or gave it back: from now on its slots go back to the
+        table one by one as their objects die."""
         grant.session_id = None
         self._slots.split(grant.first_slot * SLOT_NBYTES, SLOT_NBYTES)
         grant.lingering_slots = list(range(grant.first_slot, grant.first_slot + grant.nslots))
@@ -298,33 +293,10 @@ class ObjectBook:
             freed += grant.nbytes
         return freed
 
-    def take_parked(self, release_bytes: ReleaseBytes) -> int:
-        """Take back every grant a live producer parked (empty, kept for its next objects) so
-        another producer can have the space; the bytes returned to the arena. The swap to TAKEN
-        fails when the producer took the grant back first, and then it is left alone."""
-        taken = 0
-        for grant in self._grants.values():
-            if grant.session_id is not None and self.table.grant_cas(
-                    grant.first_slot, grant_word(grant.grant_id, GRANT_PARKED),
-                    grant_word(grant.grant_id, GRANT_TAKEN)):
-                # Freed like an orphan, once its objects are dead: a parked grant has none, unless
-                # its producer broke the protocol, and then the bytes wait for those objects.
-                self._orphan(grant)
-                taken += 1
-        self.counters["parked_grants_taken"] += taken
-        return self.reclaim_orphans(release_bytes) if taken else 0
-
     @property
     def granted_nbytes(self) -> int:
-        """Arena bytes in grants now, parked ones included."""
+        """Arena bytes in grants now, orphaned ones included."""
         return sum(g.nbytes for g in self._grants.values())
-
-    @property
-    def parked_nbytes(self) -> int:
-        """Of the granted bytes, those in grants their producers parked (the daemon may take them)."""
-        words = self.table.columns["grant_state"]
-        return sum(g.nbytes for g in self._grants.values()
-                   if g.session_id is not None and int(words[g.first_slot]) == grant_word(g.grant_id, GRANT_PARKED))
 
     # -- the janitor -----------------------------------------------------------------------------
     # Scans of the whole table are paced: a hand-off window of seconds needs no finer clock, and
@@ -349,8 +321,8 @@ class ObjectBook:
     # -- holds nobody may have -------------------------------------------------------------------
     def drop_forged_holds(self, proxied: Collection[int]) -> int:
         """Drop what only a client's writing into the table explains (lock held), so that it never
-        outlives its writer: session bits no live session has, and the proxy bit on slots not in
-        ``proxied`` (where the daemon books no reference). The objects that died of it (their bytes
+        outlives its writer: session bits no live session has, and the proxy bit and the daemon's
+        pin on slots not in ``proxied`` (where the daemon books no reference). The objects that died of it (their bytes
         go back with their grants, or as the daemon's dead placements); a forged deadline is
         ``expire_handoffs``'."""
         holders = self.table.holders.copy()  # one read: the words keep changing under us
@@ -372,6 +344,10 @@ class ObjectBook:
                 if index not in proxied:
                     held, gone, _ = self.table.clear_bit(PROXY_BIT, index, index + 1)
                     dropped, died = dropped + held, died + gone
+        for index in np.flatnonzero(self.table.columns["daemon_pin"]).tolist():
+            if index not in proxied:  # a producer wrote it (the daemon pins only what it holds)
+                self.table.pin(index, False)
+                dropped += 1
         if dropped:
             _log.warning("dropped %d holds no live session or proxied lease has (written by a client); "
                          "%d objects died of it", dropped, died)

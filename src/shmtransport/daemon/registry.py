@@ -180,7 +180,7 @@ class Registry:
                             self.allocator.free(offset)
                         if not isinstance(exc, ResourceExhausted):
                             raise
-                        if self._make_room():  # orphaned and parked grants hold slots as well as bytes
+                        if self._make_room():  # orphaned grants hold slots as well as bytes
                             continue
                         remaining = deadline - time.monotonic()
                         # A full table is not waited for here: the producer's Loan waits for a slot.
@@ -206,10 +206,9 @@ class Registry:
 
     def _make_room(self) -> bool:
         """Free what the table lets go of without waiting (lock held): objects the daemon placed
-        that died there, orphaned grants whose objects died, and grants their producers parked.
-        Whether any bytes came back."""
+        that died there, and orphaned grants whose objects died. Whether any bytes came back."""
         return bool(self.allocations.reclaim_dead() or self.objects.reclaim_orphans(self._bytes_freed)
-                    or self.objects.take_parked(self._bytes_freed) or self._evict_for_room())
+                    or self._evict_for_room())
 
     def _evict_for_room(self) -> bool:
         """Evict the least recently used index entry nobody holds and free what died of it
@@ -520,8 +519,6 @@ class Registry:
                 live_objects=table["objects"],
                 live_leases=self.allocations.live_leases + table["leases"],
                 granted_nbytes=granted,
-                parked_nbytes=self.objects.parked_nbytes,
-                parked_grants_taken=table["parked_grants_taken"],
                 table_objects=table["objects"],
                 handoff_objects=table["handoff"],
                 reclaimed_handoff_objects=table["reclaimed_handoff_objects"],

@@ -187,7 +187,7 @@ class ClientStat(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., loaned_nbytes: _Optional[int] = ..., committed_nbytes: _Optional[int] = ..., leases: _Optional[int] = ..., table_leases: _Optional[int] = ..., table_loaned_nbytes: _Optional[int] = ..., table_committed_nbytes: _Optional[int] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total", "granted_nbytes", "table_objects", "handoff_objects", "reclaimed_handoff_objects", "reclaimed_handoff_nbytes", "parked_nbytes", "parked_grants_taken", "sessions_closed", "released_at_close_leases", "released_at_close_nbytes", "waiting_calls", "reclaimed_death_loans", "released_at_close_loans", "observer_sessions_closed", "index_entries", "index_nbytes", "index_budget_nbytes", "index_hits", "index_misses", "index_published", "index_duplicates", "index_evictions")
+    __slots__ = ("arena", "used_nbytes", "free_nbytes", "largest_free_nbytes", "free_extents", "live_objects", "live_leases", "clients", "allocations_total", "allocations_per_s", "reclaimed_ttl_nbytes", "reclaimed_ttl_leases", "reclaimed_death_nbytes", "reclaimed_death_leases", "allocation_failures", "sessions_total", "tenant", "quota_nbytes", "quota_leases", "dedicated_nbytes", "quarantined_leases", "quarantined_nbytes", "quarantined_leases_total", "granted_nbytes", "table_objects", "handoff_objects", "reclaimed_handoff_objects", "reclaimed_handoff_nbytes", "sessions_closed", "released_at_close_leases", "released_at_close_nbytes", "waiting_calls", "reclaimed_death_loans", "released_at_close_loans", "observer_sessions_closed", "index_entries", "index_nbytes", "index_budget_nbytes", "index_hits", "index_misses", "index_published", "index_duplicates", "index_evictions")
     ARENA_FIELD_NUMBER: _ClassVar[int]
     USED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -216,8 +216,6 @@ class StatResponse(_message.Message):
     HANDOFF_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     RECLAIMED_HANDOFF_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     RECLAIMED_HANDOFF_NBYTES_FIELD_NUMBER: _ClassVar[int]
-    PARKED_NBYTES_FIELD_NUMBER: _ClassVar[int]
-    PARKED_GRANTS_TAKEN_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_CLOSED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_AT_CLOSE_LEASES_FIELD_NUMBER: _ClassVar[int]
     RELEASED_AT_CLOSE_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -261,8 +259,6 @@ class StatResponse(_message.Message):
     handoff_objects: int
     reclaimed_handoff_objects: int
     reclaimed_handoff_nbytes: int
-    parked_nbytes: int
-    parked_grants_taken: int
     sessions_closed: int
     released_at_close_leases: int
     released_at_close_nbytes: int
@@ -278,7 +274,7 @@ class StatResponse(_message.Message):
     index_published: int
     index_duplicates: int
     index_evictions: int
-    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ..., granted_nbytes: _Optional[int] = ..., table_objects: _Optional[int] = ..., handoff_objects: _Optional[int] = ..., reclaimed_handoff_objects: _Optional[int] = ..., reclaimed_handoff_nbytes: _Optional[int] = ..., parked_nbytes: _Optional[int] = ..., parked_grants_taken: _Optional[int] = ..., sessions_closed: _Optional[int] = ..., released_at_close_leases: _Optional[int] = ..., released_at_close_nbytes: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., reclaimed_death_loans: _Optional[int] = ..., released_at_close_loans: _Optional[int] = ..., observer_sessions_closed: _Optional[int] = ..., index_entries: _Optional[int] = ..., index_nbytes: _Optional[int] = ..., index_budget_nbytes: _Optional[int] = ..., index_hits: _Optional[int] = ..., index_misses: _Optional[int] = ..., index_published: _Optional[int] = ..., index_duplicates: _Optional[int] = ..., index_evictions: _Optional[int] = ...) -> None: ...
+    def __init__(self, arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., used_nbytes: _Optional[int] = ..., free_nbytes: _Optional[int] = ..., largest_free_nbytes: _Optional[int] = ..., free_extents: _Optional[int] = ..., live_objects: _Optional[int] = ..., live_leases: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStat, _Mapping]]] = ..., allocations_total: _Optional[int] = ..., allocations_per_s: _Optional[float] = ..., reclaimed_ttl_nbytes: _Optional[int] = ..., reclaimed_ttl_leases: _Optional[int] = ..., reclaimed_death_nbytes: _Optional[int] = ..., reclaimed_death_leases: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., sessions_total: _Optional[int] = ..., tenant: _Optional[str] = ..., quota_nbytes: _Optional[int] = ..., quota_leases: _Optional[int] = ..., dedicated_nbytes: _Optional[int] = ..., quarantined_leases: _Optional[int] = ..., quarantined_nbytes: _Optional[int] = ..., quarantined_leases_total: _Optional[int] = ..., granted_nbytes: _Optional[int] = ..., table_objects: _Optional[int] = ..., handoff_objects: _Optional[int] = ..., reclaimed_handoff_objects: _Optional[int] = ..., reclaimed_handoff_nbytes: _Optional[int] = ..., sessions_closed: _Optional[int] = ..., released_at_close_leases: _Optional[int] = ..., released_at_close_nbytes: _Optional[int] = ..., waiting_calls: _Optional[int] = ..., reclaimed_death_loans: _Optional[int] = ..., released_at_close_loans: _Optional[int] = ..., observer_sessions_closed: _Optional[int] = ..., index_entries: _Optional[int] = ..., index_nbytes: _Optional[int] = ..., index_budget_nbytes: _Optional[int] = ..., index_hits: _Optional[int] = ..., index_misses: _Optional[int] = ..., index_published: _Optional[int] = ..., index_duplicates: _Optional[int] = ..., index_evictions: _Optional[int] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("scope", "identity", "tensor")
