@@ -144,7 +144,9 @@ typedef struct {
     uint64_t state;       /* SHMT_SLOT_FREE / _LOANED / _COMMITTED / _HELD */
     uint64_t deadline_ns; /* CLOCK_MONOTONIC end of the hand-off window (or of the hold) */
     uint64_t owner;       /* session bit of the producer that loaned it */
-    uint64_t unused;
+    uint64_t recall;      /* in a grant's first slot: the grant's id once the daemon wants its room back
+                           * (the daemon writes it, the producer only reads it: it gives that grant
+                           * back, through the daemon, once it is empty) */
     uint64_t daemon_pin;  /* 1 while the daemon holds the object for clients without a bit: its bytes
                            * are not reused, whatever a consumer writes into the holds (only the
                            * daemon writes it; consumers cannot write the slots) */

@@ -288,10 +288,11 @@ def test_the_tenant_byte_quota_refuses_every_client_of_the_tenant_and_recovers(m
                 client.loan(1)
             assert info.value.reason is Reason.QUOTA_EXCEEDED
         a.release(h, wait=True)
-        # a's bytes leave the quota at once (no table), or once idle a gives back the grant
-        # they emptied
-        wait_until(lambda: (s := daemon.stat()).used_nbytes == s.granted_nbytes == 0, what="a's bytes free")
-        hb = b.put(np.zeros(MiB, np.uint8))  # recovered at once (no wait), for any client of the tenant
+        # a's bytes leave the quota at once (no table), or a gives back the grant they emptied
+        # when the daemon recalls it for b (within its next look, 0.1 s): b waits that long
+        wait_until(lambda: daemon.stat().used_nbytes == 0, what="a's bytes free")
+        b.alloc_wait_s = TIMEOUT_S
+        hb = b.put(np.zeros(MiB, np.uint8))  # recovered, for any client of the tenant
         b.release(hb, wait=True)
         del info
 

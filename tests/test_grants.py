@@ -1,6 +1,7 @@
-"""Space granted to producers for the object table: kept while busy, given back once idle (so space
-one producer holds idle is never space the others wait for), and never taken by the daemon on
-the strength of a word a client wrote. (Grants need the C kernels; without them loans go through
+"""Space granted to producers for the object table: kept while idle for a while, given back when
+the daemon recalls it for another producer (so space one producer holds idle is space the others
+wait for only briefly) and once idle long, never taken by the daemon on the strength of a word a
+client wrote. (Grants need the C kernels; without them loans go through
 the daemon.)
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from shmtransport import objtable
-from shmtransport.client import Producer
+from shmtransport.client import Producer, table
 from shmtransport.errors import Reason, ResourceExhausted
 from shmtransport.testing import BlockingChild, wait_until
 
@@ -26,7 +27,8 @@ def _given_back(daemon) -> bool:
     return s.used_nbytes == s.granted_nbytes == 0 and s.free_nbytes == s.arena.nbytes
 
 
-def test_a_busy_producer_keeps_its_empty_grant_and_gives_it_back_once_idle(make_daemon):
+def test_a_producer_keeps_its_empty_grant_and_gives_it_back_once_idle(make_daemon, monkeypatch):
+    monkeypatch.setattr(table, "IDLE_GIVE_BACK_S", 0.5)  # (5 s)
     daemon = make_daemon(arena_nbytes=8 * MiB)
     with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as producer:
         calls: list[str] = []
@@ -42,19 +44,19 @@ def test_a_busy_producer_keeps_its_empty_grant_and_gives_it_back_once_idle(make_
 
 
 @pytest.mark.parametrize("nbytes", [64 * 1024, 3 * MiB], ids=["standard-grant", "large-grant"])
-def test_another_producer_gets_the_space_an_idle_producer_gave_back(make_daemon, nbytes):
+def test_the_daemon_recalls_empty_grants_for_a_producer_that_needs_the_room(make_daemon, nbytes):
+    """Grants are kept while idle (5 s), but another producer that needs their room waits only for
+    the daemon's recall (their producer's next look, 0.1 s), here less than the idle period."""
     daemon = make_daemon(arena_nbytes=4 * MiB)
-    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S) as idle, \
-            Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=0) as busy:
-        idle.release(idle.put(np.ones(nbytes, np.uint8)))
-        wait_until(lambda: _given_back(daemon), timeout_s=5, what="the idle producer's grant given back")
-        loan = busy.loan(4 * MiB)  # the whole arena, at once
+    with Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=2) as first, \
+            Producer(daemon.socket_path, timeout_s=TIMEOUT_S, alloc_wait_s=2) as second:
+        first.release(first.put(np.ones(nbytes, np.uint8)))
+        assert daemon.stat().granted_nbytes > 0  # kept, empty
+        loan = second.loan(4 * MiB)  # the whole arena: first's grant back on recall
         loan.release()
-        busy.flush()
-        wait_until(lambda: _given_back(daemon), timeout_s=5, what="the busy producer's grant given back")
         data = np.arange(nbytes, dtype=np.uint8)
-        handle = idle.put(data)
-        idle.release(handle)
+        handle = first.put(data)  # and second's, the same way
+        first.release(handle)
 
 
 def test_grants_go_back_at_close_and_the_arena_is_whole_again(make_daemon):

@@ -259,7 +259,7 @@ def test_the_table_layout_is_the_c_headers():
         for name in dtype.names:
             assert ffi.offsetof(ctype, name) == dtype.fields[name][1], (ctype, name)
     assert list(objtable.SLOT_DTYPE.names) == [
-        "generation", "offset", "nbytes", "state", "deadline_ns", "owner", "unused", "daemon_pin"]
+        "generation", "offset", "nbytes", "state", "deadline_ns", "owner", "recall", "daemon_pin"]
 
 
 @needs_c

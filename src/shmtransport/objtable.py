@@ -1,7 +1,7 @@
 """The object table: the lifetime of every object in shared memory, in two segments.
 
 The **slots** (64 bytes each) say what an object is: generation, offset, size, state, hand-off
-deadline, owner, and the daemon's pin. Producers and the daemon write them; consumers map
+deadline, owner, the daemon's recall of a grant and its pin. Producers and the daemon write them; consumers map
 them read-only, so a consumer cannot change what anyone reads. The **holds** give each slot one
 ``holders`` word on a cache line of its own, the word every party changes, only with atomic
 read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is a publish
@@ -57,7 +57,7 @@ def wire_slot(index: int) -> int:
 # hold record's; both are the C header's ``shmt_slot`` and ``shmt_hold`` (tests/test_object_table.py).
 SLOT_DTYPE = np.dtype([
     ("generation", "<u8"), ("offset", "<u8"), ("nbytes", "<u8"), ("state", "<u8"),
-    ("deadline_ns", "<u8"), ("owner", "<u8"), ("unused", "<u8"), ("daemon_pin", "<u8"),
+    ("deadline_ns", "<u8"), ("owner", "<u8"), ("recall", "<u8"), ("daemon_pin", "<u8"),
 ])
 HOLD_DTYPE = np.dtype([("holders", "<u8"), ("unused", "<u8", (7,))])
 assert SLOT_DTYPE.itemsize == HOLD_DTYPE.itemsize == SLOT_NBYTES

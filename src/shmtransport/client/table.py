@@ -6,10 +6,11 @@ grant's slots). An object's bytes come back to the producer when its slot's hold
 whoever dropped the last hold: the producer notices that lazily (``collect``), when it needs
 space. Grants it no longer needs go back to the daemon, which frees them once every object in
 them died; so do all of them when the session ends, which is what lets a handed-off object
-outlive its producer. A busy producer keeps its empty grants for its next objects; once it is
-idle it gives them back (through the daemon's Grant call, so the daemon acts only on what it was
-told, never on a word in the table). Space a producer holds idle is so never space the others
-wait for.
+outlive its producer. A producer keeps its empty grants for its next objects (a new grant costs a
+round trip) and gives them back, through the daemon's Grant call, when the daemon recalls them
+(another producer needs the room) or after a long idleness. The daemon so acts only on what it
+was told, never on a word in the table, and space a producer holds idle is space the others wait
+for only until its next look (0.1 s).
 
 A consumer holds an object with its session's bit; several leases on one object in one client
 share the bit (counted here), so the last of them clears it. (A client is a producer or a
@@ -54,10 +55,10 @@ MIN_GRANT_SLOTS = 64
 MIN_GRANT_NBYTES = 64 * 1024
 MAX_GRANT_NBYTES = 16 << 20
 GRANT_ARENA_FRACTION = 64  # a standard grant is this fraction of the arena (within the bounds above)
-# A busy producer keeps its empty grants (as many as its peak of bytes in flight: a new grant
-# costs a round trip); once idle this long it gives them back, so other producers can have their
-# space.
-IDLE_GIVE_BACK_S = 0.5
+# A producer keeps its empty grants (as many as its peak of bytes in flight: a new grant costs a
+# round trip, which a frontend idle between requests would pay on each); idle this long, it gives
+# them back unasked.
+IDLE_GIVE_BACK_S = 5.0
 
 GrantCall = Callable[[int, int, list[int], int, bool], pb.GrantResponse]  # (nbytes, nslots, give_back, wait_ms, retry)
 # A producer waiting for space looks at its own grants again after waits growing from the first to
@@ -74,6 +75,7 @@ class _Grant:
     offset: int
     nbytes: int
     space: GrantSpace  # its free bytes and free slots
+    first_slot: int  # where the daemon's recall of it is written
     large: bool  # made for an object larger than a standard grant: holds one object at a time
 
 
@@ -234,7 +236,8 @@ class TableClient:
             response = self._grant_rpc(size, MIN_GRANT_SLOTS, [], wait_ms, retry)
         _step("t_after_grant")
         space = GrantSpace(response.offset, response.nbytes, response.first_slot, response.nslots)
-        self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes, space, oversized))
+        self._grants.append(_Grant(response.grant_id, response.offset, response.nbytes, space, response.first_slot,
+                                   oversized))
 
     def commit(self, obj: Placed, hold_ms: int = 0) -> None:
         """Make ``obj`` readable, held for ``hold_ms`` (0: the hand-off window, which the first
@@ -279,24 +282,25 @@ class TableClient:
             self._released[obj.slot] = obj
 
     def collect(self) -> int:
-        """Take back the bytes of every placed object that died; once idle, queue the empty
-        grants for return. The bytes reclaimed."""
+        """Take back the bytes of every placed object that died; queue for return the empty
+        grants the daemon recalled (all of them once idle long). The bytes reclaimed."""
         holders = self.table.holders
         freed = 0
         for obj in list(self._released.values()):
             if holders[obj.slot] == 0 and self.table.reclaim_in(obj.grant.space, obj.slot):
                 freed += obj.nbytes
                 self._forget(obj)
-        if time.monotonic() - self._placed_at >= IDLE_GIVE_BACK_S:
-            self._give_back_empty()
+        idle = time.monotonic() - self._placed_at >= IDLE_GIVE_BACK_S
+        recall = self.table.columns["recall"]
+        self._give_back([grant for grant in self._grants if grant.space.empty and (
+            idle or recall[grant.first_slot] == grant.grant_id)])
         return freed
 
     @property
     def has_surplus(self) -> bool:
-        """Whether ``collect`` may have work, now or once this producer is idle (its owner then
-        collects in the background): grants to give back, objects others still hold, empty
-        grants."""
-        return bool(self.give_back or self._released) or any(grant.space.empty for grant in self._grants)
+        """Whether ``collect`` may have work, now or later (its owner then collects in the
+        background): grants to give back, objects others still hold, grants the daemon may recall."""
+        return bool(self.give_back or self._released or self._grants)
 
     def _forget(self, obj: Placed) -> None:
         """``obj`` died and its grant has its bytes and slot back (reused first in, first out: a

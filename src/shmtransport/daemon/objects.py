@@ -5,8 +5,9 @@ Clients with the C kernels loan, commit, acquire and release arena objects in th
 - gives each live session one holder bit (62 per tenant; later sessions go through the daemon);
 - grants producers space in large pieces: an arena byte range plus a range of slots, in which
   the producer places objects itself (``Grant``); a grant is its producer's until the producer
-  gives it back (an idle producer does) or its session ends: the daemon acts on what it was told
-  and recorded, never on a word a client wrote;
+  gives it back or its session ends: the daemon acts on what it was told and recorded, never on
+  a word a client wrote. When another producer needs the room it *recalls* grants (a word it
+  writes and producers read), and their producers give back the empty ones;
 - places objects itself, one slot each, for clients that cannot (``place``: the pure-Python
   backend, sessions without a bit, the remote tier, dedicated segments), held with its proxy bit
   while ``allocations.AllocationBook`` books a reference to them;
@@ -198,6 +199,7 @@ class ObjectBook:
         first = self._slots.allocate(nslots * SLOT_NBYTES) // SLOT_NBYTES
         grant = Grant(self._next_grant_id, session_id, offset, nbytes, first, nslots)
         self._next_grant_id += 1
+        self.table.columns["recall"][first] = 0  # a recall of the slots' last grant is not this one's
         self._grants[grant.grant_id] = grant
         self.counters["grants_total"] += 1
         return pb.GrantResponse(grant_id=grant.grant_id, offset=offset, nbytes=nbytes,
@@ -292,6 +294,17 @@ class ObjectBook:
             release_bytes(grant.offset)
             freed += grant.nbytes
         return freed
+
+    def recall_grants(self) -> int:
+        """Ask every live producer for its grants back (another producer of the tenant needs the
+        room): each gives back those that are empty, through a Grant call, within its background
+        thread's next look (0.1 s). The daemon writes the word and never reads it: a producer that
+        writes it can only make grants come back early. The grants recalled."""
+        recall = self.table.columns["recall"]
+        live = [g for g in self._grants.values() if g.session_id is not None]
+        for grant in live:
+            recall[grant.first_slot] = grant.grant_id
+        return len(live)
 
     @property
     def granted_nbytes(self) -> int:

@@ -206,7 +206,9 @@ class Registry:
 
     def _make_room(self) -> bool:
         """Free what the table lets go of without waiting (lock held): objects the daemon placed
-        that died there, and orphaned grants whose objects died. Whether any bytes came back."""
+        that died there, and orphaned grants whose objects died; live producers are asked for their
+        empty grants, which come back later (a waiting call sees them). Whether any bytes came back."""
+        self.objects.recall_grants()
         return bool(self.allocations.reclaim_dead() or self.objects.reclaim_orphans(self._bytes_freed)
                     or self._evict_for_room())
 
