@@ -209,6 +209,7 @@ class ObjectTable:
         self._kernels: _CSlots | SingleWriterSlots = (
             SingleWriterSlots(self.columns, self.holders) if single_writer else _CSlots(slots, holds, nslots))
         self._lanes: list[Lane] = []
+        self.closed = False
 
     def open_lane(self, bit: int, ids: tuple[str, str, str], arena: memoryview) -> Lane:
         """A client's fast lane into this table (``_shmt_lane.Lane``, ``shmt_lane`` in the C
@@ -305,6 +306,7 @@ class ObjectTable:
     def close(self) -> None:
         """Drop this table's references to the mappings (so they can be unmapped); it has no slots
         left, and its lanes take no more calls."""
+        self.closed = True  # first: a thread that took views before this sees it before using them
         for lane in self._lanes:
             lane.close()
         self._lanes = []

@@ -284,14 +284,23 @@ class TableClient:
     def collect(self) -> int:
         """Take back the bytes of every placed object that died; queue for return the empty
         grants the daemon recalled (all of them once idle long). The bytes reclaimed."""
-        holders = self.table.holders
+        table = self.table
+        holders, recall = table.holders, table.columns["recall"]  # views taken before a close drops them
         freed = 0
-        for obj in list(self._released.values()):
-            if holders[obj.slot] == 0 and self.table.reclaim_in(obj.grant.space, obj.slot):
-                freed += obj.nbytes
-                self._forget(obj)
+        if table.closed:  # the connection dropped the table (the daemon went away): nothing is ours
+            return freed
+        try:
+            for obj in list(self._released.values()):
+                if holders[obj.slot] == 0 and table.reclaim_in(obj.grant.space, obj.slot):
+                    freed += obj.nbytes
+                    self._forget(obj)
+        except StateError:
+            if table.closed:  # dropped meanwhile
+                return freed
+            raise
+        if table.closed:
+            return freed
         idle = time.monotonic() - self._placed_at >= IDLE_GIVE_BACK_S
-        recall = self.table.columns["recall"]
         self._give_back([grant for grant in self._grants if grant.space.empty and (
             idle or recall[grant.first_slot] == grant.grant_id)])
         return freed
