@@ -315,3 +315,22 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_a_split_allocation_is_freed_piece_by_piece_and_coalesces_back():
+    """The daemon splits an orphaned grant's slot range so each dead slot goes back on its own."""
+    alloc = Allocator(PAGE, page_align_min_nbytes=1 << 62)
+    whole = alloc.allocate(8 * CACHE_LINE)
+    alloc.split(whole, CACHE_LINE)
+    assert alloc.live_allocations == 8 and alloc.used_nbytes == 8 * CACHE_LINE
+    for piece in (1, 3, 5, 7):
+        alloc.free(whole + piece * CACHE_LINE)
+    assert alloc.allocate(CACHE_LINE) == whole + CACHE_LINE  # a freed piece is reused alone
+    for piece in (0, 1, 2, 4, 6):
+        alloc.free(whole + piece * CACHE_LINE)
+    assert alloc.free_extents == 1 and alloc.free_nbytes == PAGE
+    with pytest.raises(InvalidArgument):
+        alloc.split(whole, CACHE_LINE)  # nothing live there any more
+    other = alloc.allocate(3 * CACHE_LINE)
+    with pytest.raises(InvalidArgument):
+        alloc.split(other, 2 * CACHE_LINE)  # not a whole number of pieces
