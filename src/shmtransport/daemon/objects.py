@@ -316,6 +316,10 @@ class ObjectBook:
     # idle daemons should cost nothing measurable per object (the tick itself is 50 ms).
     HANDOFF_SCAN_S = 0.25
     RATE_SAMPLE_S = 0.5
+    # Slots one pass changes one at a time (expired windows, forged proxy bits and pins): words a
+    # tenant's clients forge by the thousand cost the daemon (one process, every tenant's) a
+    # bounded share of its time; the rest waits for the next pass.
+    PASS_BUDGET = 1024
 
     def sweep(self, now: float, release_bytes: ReleaseBytes, rate_window_s: float,
               proxied: Callable[[], Collection[int]]) -> None:
@@ -352,13 +356,16 @@ class ObjectBook:
             stray &= stray - 1
             held, gone, _ = self.table.clear_bit(bit)
             dropped, died = dropped + held, died + gone
+        budget = self.PASS_BUDGET
         if present >> PROXY_BIT & 1:
             for index in np.flatnonzero(holders & np.uint64(1 << PROXY_BIT)).tolist():
-                if index not in proxied:
+                if index not in proxied and budget > 0:
+                    budget -= 1
                     held, gone, _ = self.table.clear_bit(PROXY_BIT, index, index + 1)
                     dropped, died = dropped + held, died + gone
         for index in np.flatnonzero(self.table.columns["daemon_pin"]).tolist():
-            if index not in proxied:  # a producer wrote it (the daemon pins only what it holds)
+            if index not in proxied and budget > 0:  # a producer wrote it (the daemon pins only what it holds)
+                budget -= 1
                 self.table.pin(index, False)
                 dropped += 1
         if dropped:
@@ -369,7 +376,8 @@ class ObjectBook:
     # -- the hand-off window ---------------------------------------------------------------------
     def expire_handoffs(self, now_ns: int | None = None) -> int:
         """End the hand-off windows (and holds) that passed, and those whose deadline lies further
-        ahead than any commit may ask for (a client wrote it); the objects that died of it."""
+        ahead than any commit may ask for (a client wrote it), at most ``PASS_BUDGET`` of them
+        (the rest at the next pass); the objects that died of it."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         cols = self.table.columns
         deadlines = cols["deadline_ns"].copy()
@@ -377,7 +385,7 @@ class ObjectBook:
         forged = deadlines > np.uint64(now_ns + self._longest_deadline_ns)
         due = np.flatnonzero(handoff & ((deadlines <= now_ns) | forged))
         died = 0
-        for index in due.tolist():
+        for index in due[:self.PASS_BUDGET].tolist():
             nbytes = self._bounded_nbytes(index)
             # A forged deadline ends now: the expiry is asked as of that deadline.
             if self.table.expire(index, max(now_ns, int(deadlines[index]))):
