@@ -1,10 +1,10 @@
 """The object table: the lifetime of every object in shared memory, in two segments.
 
 The **slots** (64 bytes each) say what an object is: generation, offset, size, state, hand-off
-deadline, owner, the daemon's recall of a grant and its pin. Producers and the daemon write them; consumers map
-them read-only, so a consumer cannot change what anyone reads. The **holds** give each slot one
-``holders`` word on a cache line of its own, the word every party changes, only with atomic
-read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is a publish
+deadline, owner, the daemon's recall of a grant and its pin. Producers and the daemon write them;
+consumers map them read-only, so a consumer cannot change what anyone reads. The **holds** give
+each slot one ``holders`` word on a cache line of its own, the word every party changes, only with
+atomic read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is a publish
 into a free slot, commit sets the hand-off bit, acquire ORs in the caller's session bit, release
 clears it. No syscall, no daemon. ``docs/objects.md`` states the invariants and what a death
 between any two steps leaves behind.
@@ -138,7 +138,6 @@ class _CSlots:
         out = self._ffi.new("uint64_t[3]")
         rc = self._lib.shmt_slots_clear_bit(self.slots, self.holds, self.nslots, first, last, bit, out, 3)
         return rc, int(out[0]), int(out[1]), int(out[2])
-
 
 
 class GrantSpace:
@@ -277,8 +276,8 @@ class ObjectTable:
         return remaining
 
     def retire(self, index: int) -> bool:
-        """Mark slot ``index`` FREE before its bytes are reused: whether nobody holds it (else its
-        bytes must stay: someone holds it, or a client wrote a bit into its dead word)."""
+        """Mark slot ``index`` FREE before its bytes are reused: whether they may be (not while
+        someone holds it, a client wrote a bit into its dead word, or the daemon pins it)."""
         self._require_writable("retire")
         return self._status(self._kernels.retire(index)) is SlotStatus.OK
 

@@ -298,8 +298,6 @@ class TableClient:
             if table.closed:  # dropped meanwhile
                 return freed
             raise
-        if table.closed:
-            return freed
         idle = time.monotonic() - self._placed_at >= IDLE_GIVE_BACK_S
         self._give_back([grant for grant in self._grants if grant.space.empty and (
             idle or recall[grant.first_slot] == grant.grant_id)])
