@@ -4,9 +4,9 @@ The **slots** (64 bytes each) say what an object is: generation, offset, size, s
 deadline, owner, the daemon's recall of a grant and its pin. Producers and the daemon write them;
 consumers map them read-only, so a consumer cannot change what anyone reads. The **holds** give
 each slot one ``holders`` word on a cache line of its own, the word every party changes, only with
-atomic read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is a publish
-into a free slot, commit sets the hand-off bit, acquire ORs in the caller's session bit, release
-clears it. No syscall, no daemon. ``docs/objects.md`` states the invariants and what a death
+atomic read-modify-writes (the C kernels, ``shmt_slot_*`` in ``csrc/shmt_kernels.h``): a loan is
+a publish into a free slot, commit sets the hand-off bit, acquire ORs in the caller's session bit,
+release clears it. No syscall, no daemon. ``docs/objects.md`` states the invariants and what a death
 between any two steps leaves behind.
 
 Every object lives here, whoever placed it. Pure Python has no atomic read-modify-write on shared
