@@ -1086,7 +1086,7 @@ def test_holds_a_client_forged_do_not_outlive_it_and_the_tenant_returns_to_empty
 def test_one_janitor_pass_changes_a_bounded_number_of_forged_words_and_later_passes_finish():
     """A pass once changed every forged word at once, one call each, under the tenant's lock: a
     tenant whose consumer re-armed the hand-off bit in all 65,536 of its slots every 100 ms raised
-    another tenant's Stat p99 3-5x (benchmarks/forged_bits.py). Now a pass changes at most
+    another tenant's Stat p99 3-5x (benchmarks/tenant_fairness.py --attack forged-bits). Now a pass changes at most
     ``PASS_BUDGET`` slots one by one; the next passes do the rest."""
     from shmtransport.daemon.objects import ObjectBook
     from shmtransport.daemon.segments import Segment
@@ -1215,4 +1215,84 @@ def test_one_tenant_flooding_waiting_loans_does_not_take_the_wait_slots_of_anoth
             hog.release(held[1:], wait=True)
         child.send("stop")
         assert child.recv(timeout_s=30) == "stopped"
+        child.send("exit")
+
+
+# -- one tenant's CPU in the daemon ----------------------------------------------------------------
+def test_a_tenants_cpu_share_binds_only_while_another_tenant_is_active():
+    """``CallShare``'s account, with explicit times: CPU a tenant used while alone costs it nothing
+    later; while contended, past the burst, its next call waits until the share paid it back; an
+    admitted call reserves its typical cost, so a concurrent one waits its turn; debt is capped."""
+    from shmtransport.daemon.server import _MAX_DEBT_S, CONTENDED_CPU_SHARE, CPU_BURST_S, CallShare
+
+    share = CallShare(limit=4)
+    share.charge(5.0, 0.0, now=10.0, contended=False)
+    assert share.admit(10.0) == (0.0, 5.0 / 8)  # alone, nothing owed; the typical cost is reserved
+    share.charge(0.0, 5.0 / 8, now=10.0, contended=False)
+
+    share = CallShare(limit=4)
+    share.charge(0.1, 0.0, now=10.0, contended=True)
+    wait, reserved = share.admit(10.0)
+    assert reserved == 0.0 and wait == pytest.approx((0.1 - CPU_BURST_S) / CONTENDED_CPU_SHARE)
+    assert share.admit(10.0 + wait - 0.01)[0] > 0
+    assert share.admit(10.0 + wait + 1e-9)[0] == 0.0  # paid back: admitted, reserving 0.1 / 8
+    assert share.admit(10.0 + wait + 1e-9)[0] > 0, "a concurrent call waits for the reserved one"
+
+    share.charge(1000.0, 0.0, now=20.0, contended=True)
+    assert share.admit(20.0)[0] == pytest.approx((_MAX_DEBT_S - CPU_BURST_S) / CONTENDED_CPU_SHARE)
+
+
+def _acquire_herd(conn, socket_path: str, threads: int) -> None:
+    """As uid 65534, against a daemon without a shared table (every acquire is an RPC): ``threads``
+    threads acquire and release 4,096 of the tenant's own objects back to back; reports its round
+    trips when asked, stops when told."""
+    _become_nobody()
+    stop, rounds = threading.Event(), [0] * threads
+    with Producer(socket_path, timeout_s=60, daemon_uid=0) as producer:
+        handles = producer.put_many([np.zeros(16, np.uint8)] * 4096)
+
+        def herd(i: int) -> None:
+            with Consumer(socket_path, timeout_s=60, daemon_uid=0) as consumer:
+                while not stop.is_set():
+                    consumer.release(consumer.acquire_many(handles))
+                    rounds[i] += 1
+
+        herders = [threading.Thread(target=herd, args=(i,)) for i in range(threads)]
+        for herder in herders:
+            herder.start()
+        while conn.recv() == "rounds?":
+            conn.send(sum(rounds))
+        stop.set()
+        for herder in herders:
+            herder.join(60)
+    conn.send("stopped")
+    conn.recv()
+
+
+@needs_root
+def test_a_tenant_herding_big_acquires_waits_for_its_cpu_share_only_while_another_tenant_calls(make_daemon):
+    """Another tenant's 4 threads acquire and release 4,096 objects back to back through the
+    daemon. Alone, they are never held back; once our tenant calls too, their calls wait for their
+    share of the daemon's CPU (a fifth of a core), and ours never do."""
+    daemon = make_daemon(allowed_uids=(0, NOBODY), share_object_table=False, arena_nbytes=64 * MiB)
+    _open_to_nobody(daemon)
+    herd_share = daemon.tenants[1].calls
+
+    with BlockingChild(_acquire_herd, daemon.socket_path, 4) as child:
+        def rounds() -> int:
+            child.send("rounds?")
+            return child.recv(timeout_s=60)
+
+        wait_until(lambda: rounds() >= 20, timeout_s=120, what="the herd ran 20 rounds alone")
+        assert herd_share.waits == 0, "a tenant alone waited for its CPU share"
+        with Consumer(daemon.socket_path, timeout_s=TIMEOUT_S) as victim:
+            wait_until(lambda: victim.stat().tenant == "uid:0" and herd_share.waits > 0, timeout_s=60,
+                       what="the herd waits for its CPU share while we call")
+            before = rounds()
+            wait_until(lambda: rounds() > before + 2, timeout_s=60, what="the herd still makes progress")
+            stat = victim.stat()
+            assert (stat.cpu_share_waits, stat.cpu_share_refusals) == (0, 0)
+            assert daemon.stat(daemon.tenants[1]).cpu_share_waits == herd_share.waits > 0
+        child.send("stop")
+        assert child.recv(timeout_s=60) == "stopped"
         child.send("exit")

@@ -129,6 +129,7 @@ def _remote_extensions(args: argparse.Namespace, on_install: Callable[[RemoteExt
 
 def _run_daemon(args: argparse.Namespace) -> int:
     from .daemon import Daemon
+    from .daemon.server import tune_interpreter_for_daemon
 
     config = DaemonConfig(
         socket_path=args.socket,
@@ -173,6 +174,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
         print(f"shmtransportd: cannot start: {exc}", file=sys.stderr)
         return 2
     where = "".join(f", remote {remote.endpoint} ({remote.auth_mode})" for remote in remotes)
+    tune_interpreter_for_daemon()
     print(f"shmtransportd ready: socket {daemon.socket_path}{where}", flush=True)
     try:
         stop.wait()
@@ -269,6 +271,8 @@ def _run_stat(args: argparse.Namespace) -> int:
     print(f"identity index  {s.index_entries} entries, {s.index_nbytes / mib:.1f} MiB of a "
           f"{s.index_budget_nbytes / mib:.1f} MiB budget; {s.index_hits} hits, {s.index_misses} misses; "
           f"{s.index_published} published ({s.index_duplicates} already there), {s.index_evictions} evicted")
+    print(f"CPU share       {_plural(s.cpu_share_waits, 'call')} waited for the tenant's share of the daemon's "
+          f"CPU, {s.cpu_share_refusals} refused for it (only while another tenant is active)")
     print(f"clients         {len(s.clients)}")
     for c in s.clients:  # what the daemon books for it plus what it holds with its bit in the object table
         print(

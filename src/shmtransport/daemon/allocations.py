@@ -362,7 +362,7 @@ class AllocationBook:
         windows and holds are the table's (``ObjectBook.expire_handoffs``)."""
         for lease_id in self._deadlines.due(now):
             lease = self._leases.get(lease_id)
-            if lease is None or lease.quarantined or lease.expires_at > now:
+            if lease is None or lease_id in self._quarantined or lease.expires_at > now:
                 continue
             session = self._sessions.get(lease.session_id)
             if session is not None and session.quarantine_expired:
@@ -371,7 +371,7 @@ class AllocationBook:
                 self._counters["reclaimed_ttl_leases"] += 1
                 self._counters["reclaimed_ttl_nbytes"] += self.drop_lease(lease, session)
         live = ((lease.expires_at, lease.lease_id)
-                for lease in self._leases.values() if not lease.quarantined)
+                for lease in self._leases.values() if lease.lease_id not in self._quarantined)
         self._deadlines.compact(len(self._leases), live)
 
     def reclaim_dead(self) -> int:
@@ -383,7 +383,6 @@ class AllocationBook:
 
     def _quarantine(self, lease: LeaseRecord, session: Session) -> None:
         """A lease past its TTL whose holder lives: keep its bytes (a view may still read them)."""
-        lease.quarantined = True
         nbytes = self._objects[lease.key].nbytes
         self._quarantined[lease.lease_id] = nbytes
         self._counters["quarantined_leases_total"] += 1
@@ -402,7 +401,8 @@ class AllocationBook:
                 owner_session=obj.owner if obj.placed else None,
                 holder_sessions=[lease.session_id for lease in leases], producer_held=obj.producer_ref,
                 segment_name=obj.segment.name if obj.segment is not None else "",
-                quarantined_leases=sum(lease.quarantined for lease in leases), age_s=now - obj.created_at)
+                quarantined_leases=sum(lease.lease_id in self._quarantined for lease in leases),
+                age_s=now - obj.created_at)
         return side
 
     # -- handles ---------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ _COUNTERS = {
     "released_at_close_leases": "Consumer leases still held by clients that closed their session, released then",
     "released_at_close_loans": "Loans never committed by clients that closed their session, released then",
     "released_at_close_nbytes": "Bytes freed when clients closed their session",
+    "cpu_share_waits": "Calls that waited for the tenant's share of the daemon's CPU while another tenant was active",
+    "cpu_share_refusals": "Calls refused because waiting for the tenant's CPU share would outlast their deadline",
 }
 UNIX_PREFIX = "unix:"
 _PROBE_TIMEOUT_S = 1.0

@@ -584,7 +584,7 @@ class Registry:
                 "not survive a restart",
                 Reason.INSTANCE_MISMATCH,
             )
-        if shm_names.names_another_tenant(self._tenant_base, h.name):
+        if h.name != self.segment_name and shm_names.names_another_tenant(self._tenant_base, h.name):
             raise PermissionDenied(f"segment {h.name!r} belongs to another tenant of this daemon")
 
     def _check_handle(self, h: pb.Handle) -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import gc
 import grp
 import logging
+import math
 import os
 import queue
 import resource
 import socketserver
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence, TypeVar
@@ -109,18 +112,37 @@ def _unknown_session() -> PermissionDenied:
                             Reason.UNKNOWN_SESSION)
 
 
+# While another tenant has made a call within the last ACTIVE_WINDOW_S, a tenant's handlers may
+# use CONTENDED_CPU_SHARE of one core (their CPU time, measured), past a burst of CPU_BURST_S; past
+# that its next calls wait, or are refused (TENANT_BUSY) when the wait would outlast their
+# deadline. One Python process serves every tenant: a tenant that keeps its handlers busy makes
+# every other tenant's call wait for the interpreter lock, up to 20x its idle p99 on 2 cores
+# (benchmarks/tenant_fairness.py). A tenant alone is never limited.
+ACTIVE_WINDOW_S = 1.0
+CONTENDED_CPU_SHARE = 0.2
+CPU_BURST_S = 0.01
+_MAX_DEBT_S = 0.5  # bounds a wait at (0.5 - burst) / share, about 2.5 s
+
+
 class CallShare:
-    """A tenant's share of the daemon's RPC threads: the calls of it in progress at once. Past it
-    a call is refused at once (TENANT_BUSY, which clients retry within their timeout), so one
-    tenant's flood of calls leaves every other tenant its own share of threads."""
+    """A tenant's share of the daemon: its calls in progress at once (past it a call is refused at
+    once, TENANT_BUSY, which clients retry within their timeout, so one tenant's flood of calls
+    leaves every other tenant its own share of threads), and its handlers' CPU time while another
+    tenant is active (``CONTENDED_CPU_SHARE``). Thread-safe."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._running = 0
         self._lock = threading.Lock()
+        self.last_call = -math.inf  # time.monotonic() of its latest call
+        self._debt_s = 0.0  # CPU seconds used past its share, as of _debt_at
+        self._debt_at = 0.0
+        self._typical_s = 0.0  # a moving average of its calls' CPU time
+        self.line = threading.Lock()  # held by the one call of the tenant that waits for its share
+        self.waits = self.refusals = 0  # calls that waited for the CPU share, or were refused for it
 
     def enter(self, tenant_key: str) -> None:
-        """Count a call in; ResourceExhausted (TENANT_BUSY) when the tenant's share is in use. Thread-safe."""
+        """Count a call in; ResourceExhausted (TENANT_BUSY) when the tenant's share is in use."""
         with self._lock:
             if self._running >= self.limit:
                 raise ResourceExhausted(f"tenant {tenant_key} has {self.limit} calls in progress, its share of the "
@@ -131,6 +153,37 @@ class CallShare:
         """Count a call out; once for every ``enter`` that succeeded."""
         with self._lock:
             self._running -= 1
+
+    def _debt(self, now: float) -> float:
+        return max(0.0, self._debt_s - (now - self._debt_at) * CONTENDED_CPU_SHARE)
+
+    def admit(self, now: float) -> tuple[float, float]:
+        """(0, the CPU time reserved) when a call of the tenant may start now, within its CPU
+        share; else (how long to wait before asking again, 0). The reservation (its calls'
+        typical CPU time) makes concurrent callers wait their turn instead of all starting."""
+        with self._lock:
+            debt = self._debt(now)
+            if debt > CPU_BURST_S:
+                return (debt - CPU_BURST_S) / CONTENDED_CPU_SHARE, 0.0
+            self._debt_s, self._debt_at = min(_MAX_DEBT_S, debt + self._typical_s), now
+            return 0.0, self._typical_s
+
+    def count(self, refused: bool) -> None:
+        """A call waited for the CPU share (``refused``: was refused for it)."""
+        with self._lock:
+            if refused:
+                self.refusals += 1
+            else:
+                self.waits += 1
+
+    def charge(self, cpu_s: float, reserved_s: float, now: float, contended: bool) -> None:
+        """A call of the tenant used ``cpu_s`` of CPU (``reserved_s`` of it was reserved by
+        ``admit``); counted against its share while ``contended``."""
+        with self._lock:
+            self.last_call = now
+            self._typical_s += (cpu_s - self._typical_s) / 8
+            debt = self._debt(now) - reserved_s + (cpu_s if contended else 0.0)
+            self._debt_s, self._debt_at = min(_MAX_DEBT_S, max(0.0, debt)), now
 
 
 # Calls that end something (a commit, a release, a session) are never refused for the share: they
@@ -144,27 +197,67 @@ _SHARED_METHODS = frozenset(_DAEMON_METHOD_PREFIX + m for m in ("Info", "Loan", 
 SLOW_CALL_S = 1.0
 
 
-def _gated(handler: grpc.RpcMethodHandler[Any, Any], tenant: Tenant, method: str,
+def _gated(handler: grpc.RpcMethodHandler[Any, Any], tenant: Tenant, tenants: Sequence[Tenant], method: str,
            shared: bool) -> grpc.RpcMethodHandler[Any, Any]:
-    """The handler of a session's call, timed; within the tenant's share of threads if ``shared``."""
+    """The handler of a session's call, timed and charged to the tenant's CPU share; if ``shared``,
+    within its share of threads and, while another of ``tenants`` is active, of CPU."""
     behavior = handler.unary_unary
     if behavior is None:  # every Daemon method is unary-unary
         return handler
     name = method.removeprefix(_DAEMON_METHOD_PREFIX)
+    share = tenant.calls
+
+    def contended(now: float) -> bool:
+        return any(other.calls.last_call > now - ACTIVE_WINDOW_S for other in tenants if other is not tenant)
 
     def call(request: Any, context: grpc.ServicerContext) -> Any:
-        started, left = time.monotonic(), context.time_remaining()
-        if shared:
-            tenant.calls.enter(tenant.key)
+        if not shared:
+            return timed(request, context, 0.0)
+        share.enter(tenant.key)
+        try:
+            return timed(request, context, within_cpu_share(context))
+        finally:
+            share.leave()
+
+    def within_cpu_share(context: grpc.ServicerContext) -> float:
+        """Returns once the tenant may run a call (the CPU time reserved for it): while another
+        tenant is active and this one used its share, after a wait in line (one of its calls
+        sleeps, the others block on the line's lock), or TENANT_BUSY when the wait would outlast
+        the caller's deadline."""
+        now = time.monotonic()
+        if not contended(now):
+            return 0.0
+        wait, reserved = share.admit(now)
+        if wait == 0:
+            return reserved
+        share.count(refused=False)
+        if not share.line.acquire(timeout=max(bounded_wait(_MAX_DEBT_S / CONTENDED_CPU_SHARE, context), 1e-6)):
+            raise busy(wait)
+        try:
+            while wait > 0:
+                if bounded_wait(wait, context) < wait:
+                    raise busy(wait)
+                time.sleep(wait)
+                wait, reserved = share.admit(time.monotonic())
+            return reserved
+        finally:
+            share.line.release()
+
+    def busy(wait: float) -> ResourceExhausted:
+        share.count(refused=True)
+        return ResourceExhausted(f"tenant {tenant.key} used its share of the daemon's CPU while another tenant is "
+                                 f"active: {wait:.3f} s until its next call", Reason.TENANT_BUSY)
+
+    def timed(request: Any, context: grpc.ServicerContext, reserved: float) -> Any:
+        started, left, cpu_before = time.monotonic(), context.time_remaining(), time.thread_time()
         try:
             return behavior(request, context)
         finally:
-            if shared:
-                tenant.calls.leave()
-            took = time.monotonic() - started
-            if took > SLOW_CALL_S:
+            now = time.monotonic()
+            share.charge(time.thread_time() - cpu_before, reserved, now, contended(now))
+            if now - started > SLOW_CALL_S:
                 _log.warning("slow call: %s of tenant %s took %.2f s in its handler (%s of its deadline left "
-                             "when it started)", name, tenant.key, took,
+                             "when it started)", name, tenant.key, now - started,
                              "no deadline" if left is None else f"{left:.2f} s")
 
     return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
@@ -207,7 +300,7 @@ class _SessionGate(grpc.ServerInterceptor):
             cached = self._gated.get((method, tenant.key))
             if cached is not None and cached[0] is handler and cached[1] is tenant:
                 return cached[2]
-            gated = _gated(handler, tenant, method, method in _SHARED_METHODS)
+            gated = _gated(handler, tenant, self._daemon.tenants, method, method in _SHARED_METHODS)
             self._gated[(method, tenant.key)] = (handler, tenant, gated)
             return gated
         return continuation(handler_call_details)
@@ -344,6 +437,17 @@ class _Servicer(pb_grpc.DaemonServicer):
         session_id, tenant = self._session(context)
         tenant.registry.close_session(session_id, closed_by_client=True)  # the socket's EOF then finds none
         return pb.CloseResponse()
+
+
+def tune_interpreter_for_daemon() -> None:
+    """For a process whose job is the daemon (the CLI's, not one that embeds a ``Daemon``). A
+    full garbage collection holds the interpreter lock, so every tenant's calls, for as long as
+    it scans: ~60 ms once a tenant holds 100,000 leases, several times a second under a churn of
+    leases. And a thread that wants the lock waits the switch interval (5 ms by default) each time,
+    several times per call."""
+    gc.freeze()  # what start-up made lives as long as the process: no collection scans it again
+    gc.set_threshold(700, 10, 1000)  # a full collection after 1,000 middle ones, not 10
+    sys.setswitchinterval(0.0005)
 
 
 class Daemon:
@@ -621,6 +725,7 @@ class Daemon:
         tenant = tenant or self.tenants[0]
         response = tenant.registry.stat()
         response.arena.CopyFrom(self.arena_info_of(tenant))
+        response.cpu_share_waits, response.cpu_share_refusals = tenant.calls.waits, tenant.calls.refusals
         return response
 
     def _sweep_loop(self) -> None:
