@@ -7,11 +7,13 @@ What is proved, each on the real engine:
 - the tokens and logprobs of EPD equal aggregated serving's;
 - the language model loads the encoder's output instead of encoding (the index counts a hit and no
   second publish; bytes changed in the arena change its answer: it reads them);
-- a restarted language model finds its cache (the first request after the restart is a hit);
+- a language model killed while it loads an item (its lease taken) leaves no session or lease
+  behind, and started again finds its cache (the first request after the restart is a hit);
 - an item whose encoding is absent fails that request alone; client ``uuid`` s are identities,
   never names, and one longer than the index takes is hashed;
-- a killed encoder leaves no session behind, and the proxy still answers (the language model
-  encodes what the index lacks);
+- an encoder killed while it saves (half the output written, nothing published) leaves no session
+  or loan behind; the request in flight and its retry are answered through the proxy with
+  aggregated serving's answer (the language model encodes what the index lacks);
 - on a second family (LLaVA-1.5), two ``ec_both`` engines share the node's cache: what one encoded
   is a hit for the other, with the same tokens and logprobs.
 """
@@ -19,10 +21,13 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import openai
@@ -34,6 +39,7 @@ from shmtransport.client import Consumer, Producer
 pytestmark = pytest.mark.timeout(1500)
 LOGPROB_TOLERANCE = 1e-5
 MAX_TOKENS = 4
+TESTS_DIR = pathlib.Path(__file__).parent
 
 
 def _data_url(width: int, height: int, seed: int) -> str:
@@ -84,16 +90,27 @@ def epd(tmp_path_factory):
     state = {"daemon": start_daemon_process(socket, 128 << 20, prefix)}
     before = set(os.listdir("/dev/shm"))
 
-    def server(name: str, *flags: str) -> epd_servers.OpenAIServer:
+    faults = root / "faults"
+    faults.mkdir()
+    # ours with a stall the fault tests arm (tests/ec_faults.py); unarmed, exactly ours
+    fault_env = {"SHMT_FAULT_DIR": str(faults),
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+
+    def server(name: str, *flags: str, env: dict[str, str] | None = None) -> epd_servers.OpenAIServer:
         port = process.free_port()
         return epd_servers.OpenAIServer(epd_servers.openai_argv(model, port, flags), port,
-                                        runtime_dir=root / "runtime", log_path=root / f"{name}.log")
+                                        runtime_dir=root / "runtime", log_path=root / f"{name}.log", env=env)
+
+    def stalling(role: epd_servers.Role) -> str:
+        config = json.loads(epd_servers.ec_config(role, daemon_socket=socket))
+        config.update(ec_connector="StallingECConnector", ec_connector_module_path="ec_faults")
+        return json.dumps(config)
 
     ec = "--ec-transfer-config"
     servers = {
         "agg": server("agg"),
-        "encoder": server("encoder", ec, epd_servers.ec_config("ec_producer", daemon_socket=socket)),
-        "llm": server("llm", ec, epd_servers.ec_config("ec_both", daemon_socket=socket)),
+        "encoder": server("encoder", ec, stalling("ec_producer"), env=fault_env),
+        "llm": server("llm", ec, stalling("ec_both"), env=fault_env),
     }
     proxy = None
     try:
@@ -107,7 +124,7 @@ def epd(tmp_path_factory):
         # the module's clients, connected once (gRPC's channel fds then outlive every test alike)
         with Producer(socket) as producer, Consumer(socket) as consumer:
             consumer.stat()
-            state.update(model=model, servers=servers, proxy=f"http://127.0.0.1:{port}", root=root,
+            state.update(model=model, servers=servers, proxy=f"http://127.0.0.1:{port}", root=root, faults=faults,
                          producer=producer, consumer=consumer,
                          restart_daemon=lambda: start_daemon_process(socket, 128 << 20, prefix))
             yield state
@@ -161,14 +178,68 @@ def test_the_language_model_reads_the_published_bytes(epd):
 
 @pytest.fixture(scope="module")
 def restarted(epd):
-    """An image the encoder published, then the language model restarted (module-scoped: the new
-    server is the module's, not a test's leftover)."""
+    """An image the encoder published; the language model killed while it loads it (its lease
+    taken, the step unfinished), then started again (module-scoped: the new server is the
+    module's, not a test's leftover)."""
+    servers, model, faults = epd["servers"], epd["model"], epd["faults"]
     parts = [_image_part(224, 224, 300)]
-    _chat(epd["servers"]["encoder"].url, epd["model"], parts, max_tokens=1)
-    llm = epd["servers"]["llm"]
+    _chat(servers["encoder"].url, model, parts, max_tokens=1)
+    entries = _stat(epd).index_entries
+    llm = servers["llm"]
+    failed: list[BaseException] = []
+    with _armed(faults, "stall-load") as stall:
+        request = threading.Thread(target=_expect_failure, args=(llm.url, model, parts, failed))
+        request.start()
+        theirs = _killed_while_stalled(epd, llm, lambda c: c.leases + c.table_leases > 0, stall)
+        request.join(120)
+    assert len(failed) == 1  # the request in flight failed with the server, nothing else
     llm.stop()
+    assert _stat(epd).index_entries == entries  # what it was loading lives on in the index
+    assert not theirs & {c.pid for c in _stat(epd).clients}
     llm.start(timeout_s=600)
     return parts
+
+
+class _armed:
+    """The stall ``name`` armed in ``faults`` (tests/ec_faults.py) while inside."""
+
+    def __init__(self, faults: pathlib.Path, name: str) -> None:
+        self.arm, self.stalled = faults / name, faults / "stalled"
+
+    def __enter__(self) -> "_armed":
+        self.arm.touch()
+        return self
+
+    def disarm(self) -> None:
+        """No later save or load stalls (the one that stalled stays stalled)."""
+        self.arm.unlink(missing_ok=True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.disarm()
+        self.stalled.unlink(missing_ok=True)
+
+
+def _expect_failure(url: str, model: str, parts: list[dict], failed: list[BaseException]) -> None:
+    try:
+        _chat(url, model, parts)
+    except (openai.APIError, OSError) as exc:
+        failed.append(exc)
+
+
+def _killed_while_stalled(epd, server, holds, stall: _armed) -> set[int]:
+    """Once ``server``'s connector stalled, disarm the stall (so no other engine's stalls) and
+    SIGKILL its process tree, having checked that one of its sessions ``holds`` what the stall
+    took (a loan, a lease); wait until the daemon reclaimed every session of it. Their pids."""
+    testing.wait_until(lambda: stall.stalled.exists(), timeout_s=300, what="the connector stalled")
+    stall.disarm()
+    group = server.proc.pid
+    clients = [c for c in _stat(epd).clients if _process_group(c.pid) == group]
+    assert any(holds(c) for c in clients), clients
+    os.killpg(group, signal.SIGKILL)
+    theirs = {c.pid for c in clients}
+    testing.wait_until(lambda: not theirs & {c.pid for c in _stat(epd).clients}, timeout_s=30,
+                       what="the killed server's sessions reclaimed")
+    return theirs
 
 
 def test_a_restarted_engine_finds_its_cache_on_its_first_request(epd, restarted):
@@ -221,22 +292,28 @@ def test_after_a_daemon_restart_the_connectors_reconnect(daemon_restarted):
     assert (s.index_published, s.index_duplicates) == (1, 0) and s.index_hits >= 1
 
 
-def test_a_killed_encoder_leaves_no_session_and_the_proxy_still_answers(epd):
-    """Last in the module: it ends the encoder. Its sessions are reclaimed, what it published stays
-    in the index, and a new image through the proxy is encoded by the language model itself."""
+def test_an_encoder_killed_mid_save_leaves_nothing_and_the_request_is_answered(epd):
+    """Last in the module: it ends the encoder, killed while it saves an item (half the output in
+    its loan, nothing committed or published). Its sessions and the loan are reclaimed, the
+    request in flight through the proxy gets aggregated serving's answer (the language model
+    encodes the item itself and publishes it, once), and so does its retry."""
     servers, model = epd["servers"], epd["model"]
-    encoder = servers["encoder"]
-    group = encoder.proc.pid
-    theirs = {c.pid for c in _stat(epd).clients if _process_group(c.pid) == group}
-    assert theirs  # its EngineCore's and its worker's sessions
-    entries = _stat(epd).index_entries
-    os.killpg(group, signal.SIGKILL)
-    encoder.stop()
-    testing.wait_until(lambda: not theirs & {c.pid for c in _stat(epd).clients}, timeout_s=30,
-                       what="the killed encoder's sessions reclaimed")
-    assert _stat(epd).index_entries == entries
     parts = [_image_part(224, 224, 500)]
-    _assert_same_answer(_chat(epd["proxy"], model, parts), _chat(servers["agg"].url, model, parts))
+    before = _stat(epd)
+    answers: list = []
+    with _armed(epd["faults"], "stall-save") as stall:  # disarmed before the language model saves the item
+        request = threading.Thread(target=lambda: answers.append(_chat(epd["proxy"], model, parts)))
+        request.start()
+        _killed_while_stalled(epd, servers["encoder"], lambda c: c.loaned_nbytes + c.table_loaned_nbytes > 0,
+                              stall)
+    servers["encoder"].stop()
+    request.join(300)
+    want = _chat(servers["agg"].url, model, parts)
+    assert len(answers) == 1
+    _assert_same_answer(answers[0], want)
+    _assert_same_answer(_chat(epd["proxy"], model, parts), want)
+    after = _stat(epd)
+    assert (after.index_published, after.index_duplicates) == (before.index_published + 1, before.index_duplicates)
 
 
 def _process_group(pid: int) -> int | None:

@@ -22,7 +22,7 @@ import logging
 import sys
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 _log = logging.getLogger("shmtransport.epd_proxy")
 _DESCRIPTION = ("One OpenAI endpoint in front of encoder-only vLLM servers and a language-model server: a request "
@@ -96,7 +96,7 @@ class EPDProxy:
                     await reply.read()
                     return
                 detail = (await reply.text())[:300]
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (OSError, ClientError, asyncio.TimeoutError) as exc:  # ClientError: it died mid-reply
             detail = repr(exc)
         self.encoder_failures += 1
         _log.warning("encoder %s failed (%s): the language model encodes what the cache lacks", url, detail)
