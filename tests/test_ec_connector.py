@@ -14,6 +14,7 @@ What is proved, each on the real engine:
 - an encoder killed while it saves (half the output written, nothing published) leaves no session
   or loan behind; the request in flight and its retry are answered through the proxy with
   aggregated serving's answer (the language model encodes what the index lacks);
+- at TP=2 one rank writes an item and every rank loads it;
 - on a second family (LLaVA-1.5), two ``ec_both`` engines share the node's cache: what one encoded
   is a hit for the other, with the same tokens and logprobs.
 """
@@ -125,6 +126,7 @@ def epd(tmp_path_factory):
         with Producer(socket) as producer, Consumer(socket) as consumer:
             consumer.stat()
             state.update(model=model, servers=servers, proxy=f"http://127.0.0.1:{port}", root=root, faults=faults,
+                         server=server, socket=socket,
                          producer=producer, consumer=consumer,
                          restart_daemon=lambda: start_daemon_process(socket, 128 << 20, prefix))
             yield state
@@ -290,6 +292,36 @@ def test_after_a_daemon_restart_the_connectors_reconnect(daemon_restarted):
     _assert_same_answer(_chat(epd["proxy"], model, parts), _chat(servers["agg"].url, model, parts))
     s = _stat(epd)
     assert (s.index_published, s.index_duplicates) == (1, 0) and s.index_hits >= 1
+
+
+def test_at_tensor_parallel_2_one_rank_writes_and_every_rank_loads(epd):
+    """An ec_both language model at TP=2 (a worker process per rank): an item it encodes is
+    published once (a second rank writing would count a duplicate), and an item the encoder
+    published is loaded by both ranks (a rank without it fails the request) with aggregated
+    serving's tokens (TP=2 arithmetic moves logprobs in the 3rd decimal, so only tokens)."""
+    from shmtransport.engine.epd import ec_config
+
+    servers, model = epd["servers"], epd["model"]
+    tp2 = epd["server"]("llm-tp2", "--tensor-parallel-size", "2", "--ec-transfer-config",
+                        ec_config("ec_both", daemon_socket=epd["socket"]), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    tp2.start(timeout_s=600)
+    try:
+        encoded_here = [_image_part(224, 224, 600)]
+        before = _stat(epd)
+        got = _chat(tp2.url, model, encoded_here)
+        after = _stat(epd)
+        assert (after.index_published, after.index_duplicates) == (before.index_published + 1, before.index_duplicates)
+        assert got[0] == _chat(servers["agg"].url, model, encoded_here)[0]
+
+        published = [_image_part(224, 224, 601)]
+        _chat(servers["encoder"].url, model, published, max_tokens=1)
+        before = _stat(epd)
+        got = _chat(tp2.url, model, published)
+        after = _stat(epd)
+        assert after.index_hits > before.index_hits and after.index_published == before.index_published
+        assert got[0] == _chat(servers["agg"].url, model, published)[0]
+    finally:
+        tp2.stop()
 
 
 def test_an_encoder_killed_mid_save_leaves_nothing_and_the_request_is_answered(epd):
