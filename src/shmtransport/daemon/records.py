@@ -93,9 +93,8 @@ class Allocation:
 
 
 class LeaseRecord(NamedTuple):
-    """A consumer's lease the daemon holds for it (a client without a holder bit). A tuple of
-    plain values, so the garbage collector stops tracking it: a tenant's 100,000 leases would
-    otherwise make every full collection, which stalls every tenant's calls, take ~100 ms."""
+    """A consumer's lease the daemon holds for it (a client without a holder bit); immutable (one
+    past its TTL is in ``AllocationBook``'s quarantine, not marked here)."""
 
     lease_id: int
     key: int  # of the leased Allocation
